@@ -1,0 +1,18 @@
+"""megdiffusion: DDPM training, fast sampling and FID on MegEngine."""
+
+__version__ = "0.1.0"
+
+__all__ = ["UNet", "GaussianDiffusion", "make_beta_schedule"]
+
+
+def __getattr__(name):
+    # Lazy exports: importing the package (e.g. for --help) does not load MegEngine.
+    if name == "UNet":
+        from megdiffusion.nn import UNet
+
+        return UNet
+    if name in ("GaussianDiffusion", "make_beta_schedule"):
+        from megdiffusion import diffusion
+
+        return getattr(diffusion, name)
+    raise AttributeError(f"module 'megdiffusion' has no attribute {name!r}")

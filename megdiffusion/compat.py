@@ -1,0 +1,78 @@
+"""MegEngine-version shims, in one place.
+
+- ``quiet_megengine()``: import MegEngine without its CPU-mode banner and ``debug:`` lines.
+- ``cuda_available()``: the CUDA probe, minus the ``debug:`` lines it prints on CPU machines.
+- ``assign_(param, value)``: overwrite a parameter in place (EMA, loading).
+"""
+import contextlib
+import ctypes
+import os
+import re
+import sys
+import tempfile
+
+# Lines MegEngine's C++ core writes to fd 2 when it runs without CUDA. Everything else is replayed.
+_NOISE = re.compile(
+    r"^(info: \+.*|debug: failed to load cuda func.*|.*Failed to load CUDA driver library.*"
+    r"|.*make sure NVIDIA GPU driver.*|.*discuss\.megengine\.org\.cn.*)$"
+)
+
+
+_LIBC = ctypes.CDLL(None)
+
+
+def _verbose():
+    return os.environ.get("MEGDIFFUSION_VERBOSE") == "1"
+
+
+@contextlib.contextmanager
+def _filtered_stderr():
+    """Capture fd 2 for the duration, then write back every line that is not known MegEngine noise."""
+    if _verbose():
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            _LIBC.fflush(None)  # MegEngine logs through C stdio, which is buffered when fd 2 is not a tty
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            text = capture.read().decode("utf-8", "replace")
+            kept = [line for line in text.splitlines(keepends=True) if not _NOISE.match(line.rstrip("\n"))]
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()
+
+
+def quiet_megengine():
+    """Import and return megengine, filtering its start-up banner out of stderr.
+
+    Only the known CPU-mode banner and ``debug: failed to load cuda func`` lines are dropped; any
+    other output of the import (warnings, real errors) is written back to stderr.
+    ``MEGDIFFUSION_VERBOSE=1`` turns the filter off.
+    """
+    if "megengine" in sys.modules:
+        import megengine
+
+        return megengine
+    with _filtered_stderr():
+        import megengine
+        import megengine.distributed  # noqa: F401
+    return megengine
+
+
+def cuda_available():
+    """True when MegEngine sees a CUDA device (without the probe's debug lines on CPU machines)."""
+    megengine = quiet_megengine()
+    with _filtered_stderr():
+        return bool(megengine.is_cuda_available())
+
+
+def assign_(param, value):
+    """Overwrite ``param`` (a Parameter or Tensor) in place with ``value``, keeping its identity."""
+    param._reset(value)

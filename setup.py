@@ -1,0 +1,35 @@
+"""Packaging for megdiffusion: DDPM training, sampling and FID on MegEngine."""
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "megdiffusion" / "__init__.py").read_text()).group(1)
+
+setup(
+    name="megdiffusion",
+    version=VERSION,
+    description="Denoising diffusion (DDPM/DDIM) training, sampling and FID on MegEngine",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    packages=find_packages(include=["megdiffusion", "megdiffusion.*"]),
+    # The configs and the embedded Fashion-MNIST split travel inside the package,
+    # so `pip install` users can train and score with no download.
+    package_data={"megdiffusion": ["configs/*.cfg", "data/assets/*.gz"]},
+    include_package_data=True,
+    python_requires=">=3.8,<3.11",
+    install_requires=["megengine>=1.9", "numpy<2", "absl-py", "tqdm", "pillow"],
+    extras_require={
+        "dev": ["pytest", "scipy"],
+        "tensorboard": ["tensorboardX"],
+    },
+    entry_points={
+        "console_scripts": [
+            "megdiffusion-train=megdiffusion.scripts.train:run",
+            "megdiffusion-sample=megdiffusion.scripts.sample:run",
+            "megdiffusion-fid=megdiffusion.scripts.fid:run",
+        ]
+    },
+)
