@@ -1,0 +1,152 @@
+"""Datasets as uint8 NHWC arrays (RGB, or one channel for grayscale data), loaded by name.
+
+``load_dataset(name, path, image_size)`` is the single entry point; every loader reports bad input by
+raising ``DatasetError`` with a one-line message that says what to fix.
+"""
+import gzip
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+ASSETS = Path(__file__).parent / "assets"
+EMBEDDED_IMAGES = ASSETS / "t10k-images-idx3-ubyte.gz"
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+
+
+class DatasetError(ValueError):
+    """Bad dataset input; the message is one line that says what is wrong and how to fix it."""
+
+
+def read_idx_images(path):
+    """Read an idx3-ubyte image file (optionally gzipped) as uint8 (N, H, W, 1)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError) as exc:
+        raise DatasetError(f"cannot read idx file {path}: {exc}") from None
+    magic, n, h, w = (int.from_bytes(data[i:i + 4], "big") for i in range(0, 16, 4))
+    if magic != 2051 or len(data) != 16 + n * h * w:
+        raise DatasetError(f"{path} is not an idx3 image file (magic {magic}, {len(data)} bytes)")
+    return np.frombuffer(data, np.uint8, offset=16).reshape(n, h, w, 1)
+
+
+def _fashion_mnist(path):
+    if path is None:
+        return read_idx_images(EMBEDDED_IMAGES)
+    path = Path(path)
+    if path.is_file():
+        return read_idx_images(path)
+    for stem in ("train-images-idx3-ubyte", "t10k-images-idx3-ubyte"):
+        for candidate in (path / stem, path / f"{stem}.gz"):
+            if candidate.is_file():
+                return read_idx_images(candidate)
+    raise DatasetError(f"no train-images-idx3-ubyte[.gz] or t10k-images-idx3-ubyte[.gz] in {path}; "
+                       "point --data_path at the Fashion-MNIST idx files, or omit it for the embedded split")
+
+
+def _cifar10(path):
+    if path is None:
+        raise DatasetError("cifar10 needs --data_path: the directory of the CIFAR-10 python batches "
+                           "(data_batch_1 .. data_batch_5)")
+    path = Path(path)
+    if (path / "cifar-10-batches-py").is_dir():
+        path = path / "cifar-10-batches-py"
+    batches = [path / f"data_batch_{i}" for i in range(1, 6)]
+    missing = [b.name for b in batches if not b.is_file()]
+    if missing:
+        raise DatasetError(f"CIFAR-10 python batches missing in {path}: {', '.join(missing)}")
+    arrays = []
+    for batch in batches:
+        try:
+            with open(batch, "rb") as f:
+                # The official batches are pickled dicts of numpy arrays (trusted input, like torch.load).
+                arrays.append(np.asarray(pickle.load(f, encoding="bytes")[b"data"], dtype=np.uint8))
+        except Exception as exc:  # noqa: BLE001 - any failure means an unreadable batch
+            raise DatasetError(f"cannot read CIFAR-10 batch {batch}: {exc}") from None
+    # Rows are 3072 bytes: the R, G and B planes of a 32x32 image, in that order (RGB, unlike MegEngine's CIFAR10).
+    return np.concatenate(arrays).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+
+
+def _centre_crop_resize(image, size):
+    """Centre-crop a PIL image to a square, then resize it to size x size (bicubic)."""
+    w, h = image.size
+    side = min(w, h)
+    left, top = (w - side) // 2, (h - side) // 2
+    image = image.crop((left, top, left + side, top + side))
+    return image if side == size else image.resize((size, size), Image.BICUBIC)
+
+
+def _folder(path, image_size):
+    if path is None or not Path(path).is_dir():
+        raise DatasetError(f"--data_path must be a directory of images for dataset 'folder', got {path!r}")
+    if not image_size:
+        raise DatasetError("dataset 'folder' needs --image_size (images are centre-cropped and resized to it)")
+    files = sorted(p for p in Path(path).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+    if not files:
+        raise DatasetError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) found under {path}")
+    images = np.empty((len(files), image_size, image_size, 3), np.uint8)
+    for i, file in enumerate(files):
+        try:
+            with Image.open(file) as image:
+                images[i] = np.asarray(_centre_crop_resize(image.convert("RGB"), image_size))
+        except (OSError, UnidentifiedImageError) as exc:
+            raise DatasetError(f"unreadable image {file}: {exc}; remove or replace it") from None
+    return images
+
+
+def _npz(path):
+    if path is None or not Path(path).is_file():
+        raise DatasetError(f"--data_path must be an .npz file with uint8 NHWC images under 'arr_0', got {path!r}")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            images = data["arr_0"]
+    except KeyError:
+        raise DatasetError(f"{path} has no 'arr_0' array (expected uint8 NHWC images)") from None
+    except (OSError, ValueError) as exc:
+        raise DatasetError(f"cannot read {path}: {exc}") from None
+    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[3] not in (1, 3):
+        raise DatasetError(f"{path}: arr_0 must be uint8 NHWC with 1 or 3 channels, "
+                           f"got {images.dtype} {images.shape}")
+    return images
+
+
+def _resize_all(images, size):
+    """Resize square uint8 NHWC images to size x size (centre-cropping non-square ones)."""
+    mode = "L" if images.shape[3] == 1 else "RGB"
+    out = np.empty((len(images), size, size, images.shape[3]), np.uint8)
+    for i, image in enumerate(images):
+        resized = _centre_crop_resize(Image.fromarray(image.squeeze(2) if mode == "L" else image, mode), size)
+        out[i] = np.asarray(resized).reshape(size, size, -1)
+    return out
+
+
+_LOADERS = {
+    "fashion_mnist": lambda path, size: _fashion_mnist(path),
+    "cifar10": lambda path, size: _cifar10(path),
+    "folder": _folder,
+    "npz": lambda path, size: _npz(path),
+}
+DATASETS = tuple(_LOADERS)
+
+
+def load_dataset(name, path=None, image_size=None):
+    """Load dataset ``name`` (one of ``DATASETS``) as uint8 NHWC; resize to ``image_size`` when given.
+
+    "fashion_mnist" without a path is the embedded Fashion-MNIST test split (10,000 28x28 images).
+    "cifar10" reads the python batches (train split) in RGB order. "folder" reads images recursively,
+    centre-cropped and resized. "npz" reads uint8 NHWC images under ``arr_0``.
+    """
+    if name not in _LOADERS:
+        raise DatasetError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
+    if path is not None and not os.path.exists(path):
+        raise DatasetError(f"data path {path} does not exist")
+    images = _LOADERS[name](path, image_size)
+    if len(images) == 0:
+        raise DatasetError(f"dataset {name!r} at {path} is empty")
+    if image_size and images.shape[1:3] != (image_size, image_size):
+        images = _resize_all(images, image_size)
+    return images

@@ -1,0 +1,62 @@
+"""Image conversions, grids and PNG read/write.
+
+Convention: NCHW float32 in [-1, 1] inside the models, NHWC uint8 at the edges (files, datasets, FID).
+"""
+import os
+import tempfile
+
+import numpy as np
+from PIL import Image
+
+
+def to_uint8(x):
+    """Float images in [-1, 1], NCHW (numpy array or MegEngine tensor) -> uint8 NHWC, rounded."""
+    x = np.asarray(x.numpy() if hasattr(x, "numpy") else x, dtype=np.float32)
+    x = np.clip((x + 1.0) * 127.5, 0.0, 255.0)
+    return np.rint(x).astype(np.uint8).transpose(0, 2, 3, 1)
+
+
+def to_float(images):
+    """uint8 NHWC images -> float32 NCHW in [-1, 1]."""
+    images = np.asarray(images)
+    if images.dtype != np.uint8 or images.ndim != 4:
+        raise ValueError(f"expected uint8 NHWC images, got {images.dtype} with shape {images.shape}")
+    return images.transpose(0, 3, 1, 2).astype(np.float32) / 127.5 - 1.0
+
+
+def make_grid(images, nrow=None, padding=2, pad_value=255):
+    """Tile uint8 NHWC images into one uint8 HWC picture, ``nrow`` images per row (default: square)."""
+    images = np.asarray(images)
+    n, h, w, c = images.shape
+    nrow = nrow or int(np.ceil(np.sqrt(n)))
+    ncol = int(np.ceil(n / nrow))
+    grid = np.full((padding + ncol * (h + padding), padding + nrow * (w + padding), c), pad_value, np.uint8)
+    for i, image in enumerate(images):
+        top = padding + (i // nrow) * (h + padding)
+        left = padding + (i % nrow) * (w + padding)
+        grid[top:top + h, left:left + w] = image
+    return grid
+
+
+def save_png(path, image):
+    """Write a uint8 HWC (C = 1 or 3) or HW image to ``path`` as PNG, atomically."""
+    image = np.asarray(image)
+    if image.ndim == 3 and image.shape[2] == 1:
+        image = image[:, :, 0]
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".png")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            Image.fromarray(image).save(f, format="PNG")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def read_image(path):
+    """Read an image file as uint8 HWC RGB (grayscale and palette images are converted)."""
+    with Image.open(path) as image:
+        return np.asarray(image.convert("RGB"), dtype=np.uint8)

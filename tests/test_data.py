@@ -1,0 +1,91 @@
+import gzip
+import pickle
+
+import numpy as np
+import pytest
+
+from megdiffusion.data.datasets import DatasetError, load_dataset, read_idx_images
+from megdiffusion.images import make_grid, read_image, save_png, to_float, to_uint8
+
+
+def test_embedded_fashion_mnist_is_the_full_test_split():
+    images = load_dataset("fashion_mnist")
+    assert images.shape == (10000, 28, 28, 1) and images.dtype == np.uint8
+    # The t10k split's first image is an ankle boot: dark border, bright object in the middle.
+    assert images[0, :2].max() == 0 and images[0, 10:20, 10:20].mean() > 100
+
+
+def test_idx_round_trip(tmp_path):
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(5, 7, 9), dtype=np.uint8)
+    header = b"".join(v.to_bytes(4, "big") for v in (2051, 5, 7, 9))
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(header + images.tobytes())
+    np.testing.assert_array_equal(read_idx_images(path)[..., 0], images)
+    np.testing.assert_array_equal(load_dataset("fashion_mnist", str(tmp_path))[..., 0], images)
+
+
+def test_cifar10_batches_are_read_in_rgb_order(tmp_path):
+    for i in range(1, 6):
+        data = np.zeros((2, 3072), np.uint8)
+        data[:, :1024] = 10 * i  # red plane
+        data[:, 1024:2048] = 100  # green plane
+        data[:, 2048:] = 200  # blue plane
+        with open(tmp_path / f"data_batch_{i}", "wb") as f:
+            pickle.dump({b"data": data, b"labels": [0, 1]}, f)
+    images = load_dataset("cifar10", str(tmp_path))
+    assert images.shape == (10, 32, 32, 3)
+    np.testing.assert_array_equal(images[0, 0, 0], [10, 100, 200])
+    np.testing.assert_array_equal(images[-1, 5, 5], [50, 100, 200])
+
+
+def test_cifar10_missing_batches(tmp_path):
+    with pytest.raises(DatasetError, match="data_batch_1"):
+        load_dataset("cifar10", str(tmp_path))
+
+
+def test_folder_crops_resizes_and_reports_bad_files(tmp_path):
+    (tmp_path / "sub").mkdir()
+    wide = np.zeros((20, 40, 3), np.uint8)
+    wide[:, 10:30] = 255  # the centre square is white, the sides black
+    save_png(tmp_path / "sub" / "a.png", wide)
+    save_png(tmp_path / "b.png", np.full((8, 8), 77, np.uint8))
+    images = load_dataset("folder", str(tmp_path), image_size=10)
+    assert images.shape == (2, 10, 10, 3)
+    assert images[0].min() == 77  # b.png (gray -> RGB) sorts first
+    assert images[1].min() >= 250  # a.png: only the white centre survives the crop
+    (tmp_path / "broken.jpg").write_bytes(b"not an image")
+    with pytest.raises(DatasetError, match="broken.jpg"):
+        load_dataset("folder", str(tmp_path), image_size=10)
+
+
+def test_npz_and_errors(tmp_path):
+    images = np.random.default_rng(1).integers(0, 256, size=(4, 8, 8, 3), dtype=np.uint8)
+    np.savez(tmp_path / "x.npz", arr_0=images)
+    np.testing.assert_array_equal(load_dataset("npz", str(tmp_path / "x.npz")), images)
+    np.savez(tmp_path / "bad.npz", arr_0=images.astype(np.float32))
+    with pytest.raises(DatasetError, match="uint8 NHWC"):
+        load_dataset("npz", str(tmp_path / "bad.npz"))
+    with pytest.raises(DatasetError, match="unknown dataset"):
+        load_dataset("imagenet")
+    with pytest.raises(DatasetError, match="does not exist"):
+        load_dataset("npz", str(tmp_path / "missing.npz"))
+
+
+def test_uint8_float_round_trip_and_range():
+    images = np.arange(256, dtype=np.uint8).reshape(1, 16, 16, 1)
+    x = to_float(images)
+    assert x.shape == (1, 1, 16, 16) and x.min() == -1.0 and x.max() == 1.0
+    np.testing.assert_array_equal(to_uint8(x), images)
+    np.testing.assert_array_equal(to_uint8(np.array([[[[-3.0, 3.0]]]])), [[[[0], [255]]]])
+
+
+def test_grid_layout_and_png_round_trip(tmp_path):
+    images = np.stack([np.full((3, 4, 3), v, np.uint8) for v in (10, 20, 30)])
+    grid = make_grid(images, nrow=2, padding=1, pad_value=0)
+    assert grid.shape == (1 + 2 * 4, 1 + 2 * 5, 3)
+    assert grid[1, 1, 0] == 10 and grid[1, 6, 0] == 20 and grid[5, 1, 0] == 30 and grid[5, 6, 0] == 0
+    save_png(tmp_path / "g.png", grid)
+    np.testing.assert_array_equal(read_image(tmp_path / "g.png"), grid)
+    assert [p.name for p in tmp_path.iterdir()] == ["g.png"]  # no temporary file left behind
