@@ -1,0 +1,197 @@
+"""The fast-backward Conv2d against MegEngine's native convolution."""
+import io
+import itertools
+
+import numpy as np
+import pytest
+
+from megdiffusion.compat import quiet_megengine
+
+megengine = quiet_megengine()
+import megengine.functional as F  # noqa: E402
+import megengine.module as M  # noqa: E402
+import megengine.optimizer as optim  # noqa: E402
+from megengine.autodiff import GradManager  # noqa: E402
+
+from megdiffusion.nn import conv as conv_module  # noqa: E402
+from megdiffusion.nn.conv import Conv2d, fast_conv_enabled, set_fast_conv  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def restore_setting():
+    saved = conv_module._setting, conv_module._auto
+    yield
+    conv_module._setting, conv_module._auto = saved
+
+
+@pytest.fixture
+def weight_grad_calls(monkeypatch):
+    """Counts calls of the numpy weight-gradient routine, i.e. backward passes that took the fast path."""
+    calls = []
+    original = conv_module._weight_grad
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(conv_module, "_weight_grad", spy)
+    return calls
+
+
+def assert_close(actual, expected, rtol=1e-5):
+    assert actual.shape == expected.shape
+    scale = max(np.abs(expected).max(), 1e-30)
+    assert np.abs(actual - expected).max() <= rtol * scale
+
+
+def forward_backward(conv, x, dy, fast):
+    """Output, input gradient and parameter gradients of ``conv`` for output gradient ``dy``."""
+    set_fast_conv(fast)
+    inp = megengine.Parameter(x)
+    gm = GradManager().attach([inp] + list(conv.parameters()))
+    with gm:
+        y = conv(inp)
+        gm.backward(y, megengine.tensor(dy))
+    grads = [inp.grad.numpy()] + [p.grad.numpy() for p in conv.parameters()]
+    for p in conv.parameters():
+        p.grad = None
+    return y.numpy(), grads
+
+
+def random_case(rng, conv, batch, height, width):
+    x = rng.standard_normal((batch, conv.in_channels, height, width)).astype("float32")
+    (kh, kw), (sh, sw), (ph, pw) = conv.kernel_size, conv.stride, conv.padding
+    out_shape = (batch, conv.out_channels, (height + 2 * ph - kh) // sh + 1, (width + 2 * pw - kw) // sw + 1)
+    return x, rng.standard_normal(out_shape).astype("float32")
+
+
+@pytest.mark.parametrize("stride,padding,kernel", list(itertools.product((1, 2), (0, 1), (1, 3))))
+def test_fast_gradients_equal_native(stride, padding, kernel, weight_grad_calls):
+    rng = np.random.default_rng(stride * 100 + padding * 10 + kernel)
+    for bias, (batch, height, width) in itertools.product((True, False), ((1, 7, 9), (3, 8, 8), (2, 5, 6))):
+        conv = Conv2d(3, 4, kernel, stride=stride, padding=padding, bias=bias)
+        x, dy = random_case(rng, conv, batch, height, width)
+        y_native, grads_native = forward_backward(conv, x, dy, fast=False)
+        calls_before = len(weight_grad_calls)
+        y_fast, grads_fast = forward_backward(conv, x, dy, fast=True)
+        assert len(weight_grad_calls) == calls_before + 1  # the fast path really ran
+        np.testing.assert_array_equal(y_fast, y_native)  # same forward kernel
+        assert len(grads_fast) == (3 if bias else 2)
+        for fast, native in zip(grads_fast, grads_native):
+            assert_close(fast, native)
+
+
+def test_rectangular_kernel_and_chunked_weight_gradient(monkeypatch):
+    monkeypatch.setattr(conv_module, "_MAX_COLS", 100)  # forces one im2col chunk per sample
+    rng = np.random.default_rng(1)
+    conv = Conv2d(2, 3, (1, 3), stride=(2, 1), padding=(0, 1))
+    x, dy = random_case(rng, conv, 4, 7, 6)
+    y_native, grads_native = forward_backward(conv, x, dy, fast=False)
+    y_fast, grads_fast = forward_backward(conv, x, dy, fast=True)
+    np.testing.assert_array_equal(y_fast, y_native)
+    for fast, native in zip(grads_fast, grads_native):
+        assert_close(fast, native)
+
+
+@pytest.mark.parametrize("kwargs", [dict(groups=2), dict(dilation=2), dict(padding_mode="reflect")])
+def test_unsupported_configs_fall_back_to_native(kwargs, weight_grad_calls):
+    rng = np.random.default_rng(2)
+    conv = Conv2d(4, 4, 3, padding=1, **kwargs)
+    x = rng.standard_normal((2, 4, 9, 9)).astype("float32")
+    dy = rng.standard_normal(conv(megengine.tensor(x)).shape).astype("float32")
+    y_native, grads_native = forward_backward(conv, x, dy, fast=False)
+    y_fast, grads_fast = forward_backward(conv, x, dy, fast=True)
+    assert weight_grad_calls == []
+    np.testing.assert_array_equal(y_fast, y_native)
+    for fast, native in zip(grads_fast, grads_native):
+        np.testing.assert_array_equal(fast, native)
+
+
+def test_switching_takes_effect_on_next_forward(weight_grad_calls, monkeypatch):
+    rng = np.random.default_rng(3)
+    conv = Conv2d(2, 2, 3, padding=1)
+    x, dy = random_case(rng, conv, 1, 5, 5)
+    for fast in (True, False, True, False):
+        forward_backward(conv, x, dy, fast=fast)
+    assert len(weight_grad_calls) == 2
+    monkeypatch.setattr(conv_module, "cuda_available", lambda: False)
+    conv_module._auto = None
+    set_fast_conv(None)
+    assert fast_conv_enabled()
+    monkeypatch.setattr(conv_module, "cuda_available", lambda: True)
+    conv_module._auto = None
+    assert not fast_conv_enabled()  # auto: native kernels when CUDA is there
+    forward_backward(conv, x, dy, fast=None)
+    assert len(weight_grad_calls) == 2
+
+
+def test_environment_variable_and_bad_values(monkeypatch):
+    for value, expected in (("1", True), ("0", False), ("", None), ("auto", None)):
+        monkeypatch.setenv(conv_module.ENV_VAR, value)
+        assert conv_module._setting_from_env() is expected
+    monkeypatch.setenv(conv_module.ENV_VAR, "yes")
+    with pytest.raises(ValueError, match="MEGDIFFUSION_FAST_CONV must be 0"):
+        conv_module._setting_from_env()
+    with pytest.raises(ValueError, match="True, False or None"):
+        set_fast_conv("1")
+
+
+def test_state_dict_interchangeable_with_native_module():
+    rng = np.random.default_rng(4)
+    native = M.Conv2d(3, 5, 3, stride=2, padding=1)
+    native.weight._reset(megengine.tensor(rng.standard_normal((5, 3, 3, 3)).astype("float32")))
+    native.bias._reset(megengine.tensor(rng.standard_normal((1, 5, 1, 1)).astype("float32")))
+    x = megengine.tensor(rng.standard_normal((2, 3, 9, 9)).astype("float32"))
+    buffer = io.BytesIO()
+    megengine.save(native.state_dict(), buffer)
+    buffer.seek(0)
+    fast = Conv2d(3, 5, 3, stride=2, padding=1)
+    fast.load_state_dict(megengine.load(buffer))
+    set_fast_conv(True)
+    np.testing.assert_array_equal(fast(x).numpy(), native(x).numpy())
+    assert list(fast.state_dict()) == list(native.state_dict())
+    back = M.Conv2d(3, 5, 3, stride=2, padding=1)
+    back.load_state_dict(fast.state_dict())
+    np.testing.assert_array_equal(back(x).numpy(), native(x).numpy())
+
+
+class TwoConvNet(M.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = Conv2d(2, 4, 3, padding=1)
+        self.conv2 = Conv2d(4, 4, 3, stride=2, padding=1)
+        self.conv3 = Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        h = F.relu(self.conv1(x))
+        h = F.relu(self.conv2(h))
+        return self.conv3(h)
+
+
+def train_two_steps(fast):
+    """Parameters after two GradManager + clip_grad_norm + Adam steps on a fixed batch."""
+    set_fast_conv(fast)
+    megengine.random.seed(0)
+    net = TwoConvNet()
+    rng = np.random.default_rng(5)
+    x = megengine.tensor(rng.standard_normal((3, 2, 7, 7)).astype("float32"))
+    target = megengine.tensor(rng.standard_normal((3, 2, 4, 4)).astype("float32"))
+    gm = GradManager().attach(net.parameters())
+    opt = optim.Adam(net.parameters(), lr=1e-2)
+    norms = []
+    for _ in range(2):
+        with gm:
+            loss = ((net(x) - target) ** 2).mean()
+            gm.backward(loss)
+        norms.append(float(optim.clip_grad_norm(net.parameters(), 0.5)))
+        opt.step().clear_grad()
+    return norms, [p.numpy() for p in net.parameters()]
+
+
+def test_training_with_clipping_and_adam_matches_native():
+    norms_native, params_native = train_two_steps(False)
+    norms_fast, params_fast = train_two_steps(True)
+    assert norms_native[0] > 0.5  # clipping is active, so the global norm matters
+    np.testing.assert_allclose(norms_fast, norms_native, rtol=1e-5)
+    for fast, native in zip(params_fast, params_native):
+        assert_close(fast, native)
