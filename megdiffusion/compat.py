@@ -76,3 +76,18 @@ def cuda_available():
 def assign_(param, value):
     """Overwrite ``param`` (a Parameter or Tensor) in place with ``value``, keeping its identity."""
     param._reset(value)
+
+
+def upsample_nearest_2x(x):
+    """Nearest-neighbour 2x upsampling of an NCHW tensor, with the output shape pinned by a reshape.
+
+    MegEngine 1.9's Resize op (behind ``F.nn.interpolate``) could not infer its output shape in
+    advance, so after backward + ``clip_grad_norm`` + ``optimizer.step()`` the next forward failed in
+    the following convolution with "bad filter ndim for dense convolution: spatial_ndim=2
+    filter_ndim=0". Reshaping to the shape computed from the input gives the graph a known shape
+    again (fixed upstream in 1.10; the reshape is free there). Every UNet upsample goes through here.
+    """
+    import megengine.functional as F
+
+    n, c, h, w = x.shape
+    return F.nn.interpolate(x, scale_factor=2, mode="nearest").reshape(n, c, 2 * h, 2 * w)

@@ -1,0 +1,130 @@
+"""Building blocks of the DDPM UNet, following Ho et al. 2020 (``diffusion_tf/models/unet.py``).
+
+Every convolution is ``megdiffusion.nn.conv.Conv2d``. Weights use Ho's ``default_init``: variance
+scaling with fan-avg and a uniform distribution (Xavier-uniform; ``init_scale=0`` means 1e-10, the
+"near-zero" init of the last conv of a residual block, the attention output and the output conv).
+Biases start at zero.
+"""
+import math
+
+import numpy as np
+
+import megengine.functional as F
+import megengine.module as M
+from megengine import Tensor
+
+from megdiffusion.compat import upsample_nearest_2x
+from megdiffusion.nn.conv import Conv2d
+
+GROUPS = 32  # GroupNorm groups and eps: TensorFlow's group_norm defaults used by Ho's code
+GROUP_NORM_EPS = 1e-6
+
+
+def variance_scaling_(weight, init_scale=1.0):
+    """Ho's ``default_init(scale)``: U(-a, a) with a = sqrt(3 * scale / fan_avg); scale 0 -> 1e-10."""
+    scale = init_scale if init_scale > 0 else 1e-10
+    M.init.xavier_uniform_(weight, gain=math.sqrt(scale))
+
+
+def conv2d(in_channels, out_channels, kernel_size=3, stride=1, init_scale=1.0):
+    """A "same"-padded ``Conv2d`` with Ho's init (zero bias)."""
+    conv = Conv2d(in_channels, out_channels, kernel_size, stride=stride, padding=kernel_size // 2)
+    variance_scaling_(conv.weight, init_scale)
+    M.init.zeros_(conv.bias)
+    return conv
+
+
+def linear(in_features, out_features, init_scale=1.0):
+    """A ``Linear`` with Ho's init (zero bias)."""
+    layer = M.Linear(in_features, out_features)
+    variance_scaling_(layer.weight, init_scale)
+    M.init.zeros_(layer.bias)
+    return layer
+
+
+def group_norm(channels):
+    """GroupNorm(32, channels, eps=1e-6) with affine parameters."""
+    return M.GroupNorm(GROUPS, channels, eps=GROUP_NORM_EPS)
+
+
+def timestep_embedding(t, dim):
+    """Ho's sinusoidal embedding of integer (or fractional) timesteps ``t`` (shape (N,)) -> (N, dim).
+
+    half = dim / 2, frequencies exp(-log(10000) * i / (half - 1)) for i = 0..half-1, then [sin, cos].
+    Computed per call: the table is not a parameter and never reaches a checkpoint.
+    """
+    if dim % 2 or dim < 4:
+        raise ValueError(f"timestep embedding dim must be even and >= 4, got {dim}")
+    half = dim // 2
+    freqs = np.exp(-math.log(10000.0) * np.arange(half, dtype=np.float64) / (half - 1))
+    args = F.expand_dims(t.astype("float32"), 1) * Tensor(freqs[None, :].astype(np.float32))
+    return F.concat([F.sin(args), F.cos(args)], axis=1)
+
+
+class ResBlock(M.Module):
+    """GN, SiLU, conv3x3, + Linear(SiLU(temb)), GN, SiLU, dropout, conv3x3 (near zero), plus the skip.
+
+    The skip is a 1x1 conv (Ho's ``nin_shortcut``) when the channel count changes, else identity.
+    """
+
+    def __init__(self, in_channels, out_channels, temb_channels, dropout):
+        super().__init__()
+        self.norm1 = group_norm(in_channels)
+        self.conv1 = conv2d(in_channels, out_channels)
+        self.temb_proj = linear(temb_channels, out_channels)
+        self.norm2 = group_norm(out_channels)
+        self.dropout = M.Dropout(dropout)
+        self.conv2 = conv2d(out_channels, out_channels, init_scale=0.0)
+        self.skip = conv2d(in_channels, out_channels, kernel_size=1) if in_channels != out_channels else None
+
+    def forward(self, x, temb):
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = h + F.expand_dims(self.temb_proj(F.silu(temb)), (2, 3))
+        h = self.conv2(self.dropout(F.silu(self.norm2(h))))
+        if self.skip is not None:
+            x = self.skip(x)
+        return x + h
+
+
+class AttnBlock(M.Module):
+    """Single-head self-attention over all positions: GN, 1x1 q/k/v, softmax(q k^T / sqrt(C)) v, 1x1 proj."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.norm = group_norm(channels)
+        self.q = conv2d(channels, channels, kernel_size=1)
+        self.k = conv2d(channels, channels, kernel_size=1)
+        self.v = conv2d(channels, channels, kernel_size=1)
+        self.proj_out = conv2d(channels, channels, kernel_size=1, init_scale=0.0)
+
+    def forward(self, x):
+        n, c, height, width = x.shape
+        h = self.norm(x)
+        q = self.q(h).reshape(n, c, height * width)
+        k = self.k(h).reshape(n, c, height * width)
+        v = self.v(h).reshape(n, c, height * width)
+        weights = F.softmax(F.matmul(q, k, transpose_a=True) * (c ** -0.5), axis=2)  # (n, query, key)
+        h = F.matmul(v, weights, transpose_b=True).reshape(n, c, height, width)  # sum over keys
+        return x + self.proj_out(h)
+
+
+class Downsample(M.Module):
+    """3x3 convolution with stride 2 (padding 1 on every side; TF's "SAME" pads only bottom/right)."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.conv = conv2d(channels, channels, stride=2)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+class Upsample(M.Module):
+    """Nearest-neighbour 2x (through the MegEngine 1.9 shim) followed by a 3x3 convolution."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.conv = conv2d(channels, channels)
+
+    def forward(self, x):
+        return self.conv(upsample_nearest_2x(x))

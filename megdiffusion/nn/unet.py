@@ -1,0 +1,174 @@
+"""The DDPM UNet of Ho et al. 2020 (``diffusion_tf/models/unet.py``), on MegEngine.
+
+Parameter names follow Ho's scopes: ``down.<level>.blocks.<i>``, ``down.<level>.attns.<i>``,
+``down.<level>.downsample``, ``mid_block1``/``mid_attn``/``mid_block2``, ``up.<level>...`` (level 0 is the
+full resolution, as in Ho's ``down_0``/``up_0``), ``conv_in``, ``norm_out``, ``conv_out``.
+The paper's CIFAR-10 config (the defaults) has 35,746,307 parameters.
+"""
+import megengine.functional as F
+import megengine.module as M
+
+from megdiffusion.nn.layers import (
+    GROUPS,
+    AttnBlock,
+    Downsample,
+    ResBlock,
+    Upsample,
+    conv2d,
+    group_norm,
+    linear,
+    timestep_embedding,
+)
+
+
+class DownLevel(M.Module):
+    """One resolution on the way down: residual blocks, each followed by attention when ``attns`` is
+    non-empty, then an optional Downsample. ``forward`` returns every output the up path will use."""
+
+    def __init__(self, blocks, attns, downsample):
+        super().__init__()
+        self.blocks = blocks
+        self.attns = attns
+        self.downsample = downsample
+
+    def forward(self, h, temb):
+        outputs = []
+        for i, block in enumerate(self.blocks):
+            h = block(h, temb)
+            if self.attns:
+                h = self.attns[i](h)
+            outputs.append(h)
+        if self.downsample is not None:
+            outputs.append(self.downsample(h))
+        return outputs
+
+
+class UpLevel(M.Module):
+    """One resolution on the way up: residual blocks on [h, skip] concatenations (skips popped from the
+    end of ``skips``), each followed by attention when ``attns`` is non-empty, then an optional Upsample."""
+
+    def __init__(self, blocks, attns, upsample):
+        super().__init__()
+        self.blocks = blocks
+        self.attns = attns
+        self.upsample = upsample
+
+    def forward(self, h, temb, skips):
+        for i, block in enumerate(self.blocks):
+            h = block(F.concat([h, skips.pop()], axis=1), temb)
+            if self.attns:
+                h = self.attns[i](h)
+        if self.upsample is not None:
+            h = self.upsample(h)
+        return h
+
+
+def _check_config(model_channels, channel_mult, attention_resolutions, image_size):
+    if not channel_mult:
+        raise ValueError("channel_mult must list at least one multiplier, e.g. (1, 2, 2, 2)")
+    for mult in channel_mult:
+        if mult < 1 or (model_channels * mult) % GROUPS:
+            raise ValueError(
+                f"model_channels * channel_mult must be positive multiples of {GROUPS} (GroupNorm groups); "
+                f"got model_channels={model_channels}, channel_mult={tuple(channel_mult)}"
+            )
+    factor = 2 ** (len(channel_mult) - 1)
+    if image_size < 1 or image_size % factor:
+        raise ValueError(
+            f"image_size={image_size} must be divisible by 2**(len(channel_mult)-1)={factor} "
+            f"for channel_mult={tuple(channel_mult)}"
+        )
+    resolutions = [image_size // 2 ** i for i in range(len(channel_mult))]
+    unused = sorted(set(attention_resolutions) - set(resolutions))
+    if unused:
+        raise ValueError(
+            f"attention_resolutions {unused} never occur: with image_size={image_size} and "
+            f"{len(channel_mult)} levels the resolutions are {resolutions}"
+        )
+
+
+class UNet(M.Module):
+    """The DDPM noise-prediction UNet.
+
+    ``forward(x, t)``: x float32 (N, in_channels, image_size, image_size), t (N,) integer timesteps of the
+    original chain; returns (N, out_channels, image_size, image_size), ``out_channels`` defaulting to
+    ``in_channels``. Attention is used at the resolutions in ``attention_resolutions`` and always in the
+    middle block.
+    """
+
+    def __init__(
+        self,
+        in_channels=3,
+        model_channels=128,
+        out_channels=None,
+        channel_mult=(1, 2, 2, 2),
+        num_res_blocks=2,
+        attention_resolutions=(16,),
+        dropout=0.1,
+        image_size=32,
+    ):
+        super().__init__()
+        _check_config(model_channels, channel_mult, attention_resolutions, image_size)
+        self.model_channels = model_channels
+        self.image_size = image_size
+        temb_channels = 4 * model_channels
+        self.temb_dense0 = linear(model_channels, temb_channels)
+        self.temb_dense1 = linear(temb_channels, temb_channels)
+        self.conv_in = conv2d(in_channels, model_channels)
+
+        # Channel count of every tensor the down path hands to the up path, in order.
+        skip_channels = [model_channels]
+        channels = model_channels
+        self.down = []
+        for level, mult in enumerate(channel_mult):
+            resolution = image_size // 2 ** level
+            blocks, attns = [], []
+            for _ in range(num_res_blocks):
+                out = model_channels * mult
+                blocks.append(ResBlock(channels, out, temb_channels, dropout))
+                channels = out
+                if resolution in attention_resolutions:
+                    attns.append(AttnBlock(channels))
+                skip_channels.append(channels)
+            downsample = None
+            if level != len(channel_mult) - 1:
+                downsample = Downsample(channels)
+                skip_channels.append(channels)
+            self.down.append(DownLevel(blocks, attns, downsample))
+
+        self.mid_block1 = ResBlock(channels, channels, temb_channels, dropout)
+        self.mid_attn = AttnBlock(channels)
+        self.mid_block2 = ResBlock(channels, channels, temb_channels, dropout)
+
+        up_levels = []
+        for level, mult in reversed(list(enumerate(channel_mult))):
+            resolution = image_size // 2 ** level
+            blocks, attns = [], []
+            for _ in range(num_res_blocks + 1):
+                out = model_channels * mult
+                blocks.append(ResBlock(channels + skip_channels.pop(), out, temb_channels, dropout))
+                channels = out
+                if resolution in attention_resolutions:
+                    attns.append(AttnBlock(channels))
+            up_levels.append(UpLevel(blocks, attns, Upsample(channels) if level != 0 else None))
+        assert not skip_channels
+        self.up = up_levels[::-1]  # indexed by level, like down; forward walks it in reverse
+
+        self.norm_out = group_norm(channels)
+        self.conv_out = conv2d(channels, out_channels or in_channels, init_scale=0.0)
+
+    def forward(self, x, t):
+        if x.ndim != 4 or x.shape[2] != self.image_size or x.shape[3] != self.image_size:
+            raise ValueError(
+                f"UNet built for {self.image_size}x{self.image_size} inputs got shape {tuple(x.shape)}"
+            )
+        temb = timestep_embedding(t, self.model_channels)
+        temb = self.temb_dense1(F.silu(self.temb_dense0(temb)))
+
+        hs = [self.conv_in(x)]
+        for level in self.down:
+            hs.extend(level(hs[-1], temb))
+        h = self.mid_block2(self.mid_attn(self.mid_block1(hs[-1], temb)), temb)
+        for level in reversed(self.up):
+            h = level(h, temb, hs)
+        return self.conv_out(F.silu(self.norm_out(h)))
