@@ -1,0 +1,68 @@
+"""Train a DDPM: ``python -m megdiffusion.scripts.train [--flagfile configs/cifar10.cfg] [--flags...]``.
+
+Without a ``--flagfile`` the CPU recipe (configs/fashion_mnist_cpu.cfg, the embedded Fashion-MNIST
+split) is read first, so plain ``python -m megdiffusion.scripts.train`` trains something on a laptop;
+flags given on the command line override it. ``--num_gpus N`` trains on N GPUs with the same recipe.
+Bad flags or data: one line on stderr, exit code 2, nothing written.
+"""
+import os
+import sys
+
+from absl import app, flags
+
+from megdiffusion.compat import quiet_megengine
+from megdiffusion.training.config import define_flags
+
+FLAGS = flags.FLAGS
+define_flags(FLAGS)
+DEFAULT_FLAGFILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "fashion_mnist_cpu.cfg")
+
+
+def fail(message, code=2):
+    """Print ``train: error: message`` on stderr and exit."""
+    print(f"train: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def main(argv):
+    if len(argv) > 1:
+        fail(f"unexpected arguments {argv[1:]}; flags look like --name=value")
+    quiet_megengine()
+    from megdiffusion.data.datasets import DatasetError
+    from megdiffusion.data.loader import LoaderError
+    from megdiffusion.training.checkpoint import CheckpointError
+    from megdiffusion.training.config import ConfigError, config_from_flags
+    from megdiffusion.training.distributed import LaunchError
+    from megdiffusion.training.trainer import NonFiniteLossError, train
+
+    try:
+        cfg, images = config_from_flags(FLAGS)
+        train(cfg, images)
+    except (ConfigError, DatasetError, LoaderError, LaunchError, CheckpointError) as err:
+        fail(err)
+    except NonFiniteLossError as err:
+        fail(err, code=1)
+
+
+def with_default_flagfile(argv):
+    """``argv`` with the CPU recipe's flagfile inserted first when no --flagfile is given."""
+    if any(arg.startswith(("--flagfile", "-flagfile")) for arg in argv[1:]):
+        return argv
+    return [argv[0], f"--flagfile={DEFAULT_FLAGFILE}"] + argv[1:]
+
+
+def parse_flags(argv):
+    """absl flag parsing, but a bad flag is one line and exit code 2."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as err:
+        fail(err)
+
+
+def run():
+    """Console-script entry point."""
+    app.run(main, argv=with_default_flagfile(sys.argv), flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+    run()

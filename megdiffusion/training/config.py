@@ -1,0 +1,240 @@
+"""The training configuration: one typed dataclass, its validation, and the model/diffusion it builds.
+
+Every field except ``image_channels`` is a command-line flag of the same name (see
+``define_flags``). ``image_channels`` and, when not given, ``image_size`` are read from the dataset.
+The config travels inside every checkpoint (``to_dict``/``from_dict``), so sampling rebuilds the
+network without retyped flags.
+"""
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from typing import Optional, Tuple
+
+
+class ConfigError(ValueError):
+    """A bad flag or flag combination; the message is one line saying what to change."""
+
+
+def _flag(default, help_text, **kwargs):
+    return field(default=default, metadata={"help": help_text, **kwargs})
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a training run. Defaults are the DDPM CIFAR-10 recipe's values."""
+
+    # Data
+    dataset: str = _flag("fashion_mnist", "Dataset name: fashion_mnist, cifar10, folder or npz.")
+    data_path: Optional[str] = _flag(None, "Dataset location (directory or file); embedded data if unset.")
+    image_size: Optional[int] = _flag(None, "Image size; unset = the dataset's size (required for folder).")
+    random_flip: bool = _flag(True, "Random horizontal flips of training images.")
+    image_channels: int = _flag(3, "Read from the dataset (1 gray, 3 RGB); not a flag.", flag=False)
+    # Model (improved-diffusion's names)
+    model_channels: int = _flag(128, "UNet base channel count.")
+    channel_mult: Tuple[int, ...] = _flag((1, 2, 2, 2), "Channel multiplier per resolution level.")
+    num_res_blocks: int = _flag(2, "Residual blocks per resolution level.")
+    attention_resolutions: Tuple[int, ...] = _flag((16,), "Resolutions (pixels) with self-attention.")
+    dropout: float = _flag(0.1, "Dropout rate in the residual blocks.")
+    # Diffusion
+    num_timesteps: int = _flag(1000, "Number of diffusion steps T.")
+    beta_schedule: str = _flag("linear", "Beta schedule name (linear, cosine, ...).")
+    mean_type: str = _flag("eps", "What the network predicts (eps, ...).")
+    var_type: str = _flag("fixedlarge", "Reverse-process variance (fixedlarge or fixedsmall).")
+    # Optimisation
+    lr: float = _flag(2e-4, "Adam learning rate after warmup.")
+    warmup_steps: int = _flag(5000, "Steps of linear learning-rate warmup from 0.")
+    batch_size: int = _flag(128, "Global batch size, split evenly across all ranks.")
+    total_steps: int = _flag(800000, "Number of optimizer steps.")
+    grad_clip: float = _flag(1.0, "Clip the global gradient norm to this value; 0 disables.")
+    ema_decay: float = _flag(0.9999, "Decay of the exponential moving average of the weights.")
+    seed: int = _flag(0, "Seed of every random choice (data order, flips, timesteps, noise, dropout).")
+    # Outputs
+    logdir: str = _flag("runs/train", "Directory for checkpoints, metrics, sample grids and flags.")
+    log_every: int = _flag(10, "Write metrics every this many steps.")
+    save_every: int = _flag(5000, "Save a checkpoint every this many steps (0: only at the end).")
+    keep_checkpoints: int = _flag(3, "How many of the newest checkpoints to keep.")
+    sample_every: int = _flag(5000, "Save an EMA sample grid every this many steps (0: never).")
+    sample_num: int = _flag(64, "Images in each sample grid.")
+    sample_sampler: str = _flag("ddim", "Sampler for the grids: ddpm or ddim.")
+    sample_steps: int = _flag(50, "Sampling steps for the grids.")
+    resume: bool = _flag(False, "Continue from the newest loadable checkpoint in logdir.")
+    # Devices
+    device: str = _flag("auto", "auto, cpu or gpu.")
+    num_gpus: int = _flag(1, "GPUs on this machine; more than 1 launches one process per GPU.")
+    world_size: Optional[int] = _flag(None, "Total processes over all machines; unset = num_gpus.")
+    rank_start: int = _flag(0, "Rank of this machine's first process (multi-machine).")
+    master_ip: str = _flag("localhost", "Address of the machine running rank 0.")
+    port: int = _flag(0, "Port of the distributed server (0: pick a free one; set it for multi-machine).")
+
+    @property
+    def total_world_size(self):
+        """Number of training processes over all machines."""
+        return self.world_size if self.world_size is not None else self.num_gpus
+
+    def to_dict(self):
+        """A JSON-serialisable dict (tuples become lists)."""
+        return {f.name: list(v) if isinstance(v, tuple) else v for f, v in _items(self)}
+
+    @classmethod
+    def from_dict(cls, values):
+        """Inverse of ``to_dict``; unknown keys are an error (a checkpoint from another version)."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ConfigError(f"unknown config keys {unknown}")
+        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+        return cls(**kwargs)
+
+    def replace(self, **changes):
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+
+def _items(cfg):
+    return [(f, getattr(cfg, f.name)) for f in fields(cfg)]
+
+
+def flag_fields():
+    """The dataclass fields that are command-line flags."""
+    return [f for f in fields(TrainConfig) if f.metadata.get("flag", True)]
+
+
+def to_flagfile(cfg):
+    """The config as absl flagfile text that reproduces it (``--flagfile=...``)."""
+    lines = []
+    for f in flag_fields():
+        value = getattr(cfg, f.name)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            lines.append(f"--{f.name}" if value else f"--no{f.name}")
+        elif isinstance(value, tuple):
+            lines.append(f"--{f.name}={','.join(str(v) for v in value)}")
+        else:
+            lines.append(f"--{f.name}={value}")
+    return "\n".join(lines) + "\n"
+
+
+def to_json(cfg):
+    """The config as indented JSON text."""
+    return json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n"
+
+
+def resolutions(cfg):
+    """The feature-map sizes the UNet works at, from ``image_size`` down (one per channel_mult level)."""
+    return [cfg.image_size // 2 ** level for level in range(len(cfg.channel_mult))]
+
+
+def validate(cfg):
+    """Raise ``ConfigError`` for settings that cannot train. Needs ``image_size`` resolved."""
+    positive = ["model_channels", "num_res_blocks", "num_timesteps", "batch_size", "total_steps",
+                "keep_checkpoints", "log_every", "sample_num", "sample_steps", "num_gpus"]
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
+    for name in ["warmup_steps", "save_every", "sample_every", "rank_start", "port"]:
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.lr <= 0 or cfg.grad_clip < 0:
+        raise ConfigError("--lr must be > 0 and --grad_clip >= 0 (0 disables clipping)")
+    if not 0.0 <= cfg.ema_decay < 1.0:
+        raise ConfigError(f"--ema_decay must be in [0, 1), got {cfg.ema_decay}")
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise ConfigError(f"--dropout must be in [0, 1), got {cfg.dropout}")
+    if not cfg.channel_mult or min(cfg.channel_mult) < 1:
+        raise ConfigError(f"--channel_mult needs positive integers, got {cfg.channel_mult}")
+    if cfg.device not in ("auto", "cpu", "gpu"):
+        raise ConfigError(f"--device must be auto, cpu or gpu, got {cfg.device!r}")
+    if cfg.sample_sampler not in ("ddpm", "ddim"):
+        raise ConfigError(f"--sample_sampler must be ddpm or ddim, got {cfg.sample_sampler!r}")
+    if cfg.total_world_size < cfg.num_gpus:
+        raise ConfigError(f"--world_size {cfg.world_size} is smaller than --num_gpus {cfg.num_gpus}")
+    if cfg.batch_size % cfg.total_world_size:
+        raise ConfigError(f"--batch_size {cfg.batch_size} is not divisible by the {cfg.total_world_size} "
+                          "processes; the global batch is split evenly across ranks")
+    if cfg.image_size is None or cfg.image_size < 1:
+        raise ConfigError("--image_size must be a positive integer")
+    factor = 2 ** (len(cfg.channel_mult) - 1)
+    if cfg.image_size % factor:
+        raise ConfigError(f"--image_size {cfg.image_size} is not divisible by {factor}, the downsampling of "
+                          f"--channel_mult {','.join(map(str, cfg.channel_mult))}; change one of them")
+    missing = sorted(set(cfg.attention_resolutions) - set(resolutions(cfg)))
+    if missing:
+        raise ConfigError(f"--attention_resolutions {missing} never occur: the UNet works at "
+                          f"{resolutions(cfg)} for --image_size {cfg.image_size}")
+    try:
+        build_diffusion(cfg)
+    except (ValueError, KeyError, NotImplementedError) as err:
+        raise ConfigError(f"bad diffusion flags (--beta_schedule/--mean_type/--var_type): {err}") from None
+
+
+def build_model(cfg):
+    """The UNet the config describes."""
+    from megdiffusion.nn import UNet
+
+    return UNet(in_channels=cfg.image_channels, model_channels=cfg.model_channels,
+                channel_mult=tuple(cfg.channel_mult), num_res_blocks=cfg.num_res_blocks,
+                attention_resolutions=tuple(cfg.attention_resolutions), dropout=cfg.dropout,
+                image_size=cfg.image_size)
+
+
+def build_diffusion(cfg):
+    """The GaussianDiffusion the config describes."""
+    from megdiffusion.diffusion import GaussianDiffusion, make_beta_schedule
+
+    betas = make_beta_schedule(cfg.beta_schedule, cfg.num_timesteps)
+    return GaussianDiffusion(betas, mean_type=cfg.mean_type, var_type=cfg.var_type)
+
+
+def define_flags(flag_values):
+    """Define one absl flag per ``TrainConfig`` flag field in ``flag_values``."""
+    from absl import flags
+
+    for f in flag_fields():
+        help_text = f.metadata["help"]
+        default = f.default
+        if f.type is bool:
+            flags.DEFINE_bool(f.name, default, help_text, flag_values=flag_values)
+        elif isinstance(default, tuple):
+            flags.DEFINE_list(f.name, [str(v) for v in default], help_text, flag_values=flag_values)
+        elif f.type in (int, Optional[int]):
+            flags.DEFINE_integer(f.name, default, help_text, flag_values=flag_values)
+        elif f.type is float:
+            flags.DEFINE_float(f.name, default, help_text, flag_values=flag_values)
+        else:
+            flags.DEFINE_string(f.name, default, help_text, flag_values=flag_values)
+
+
+def config_from_flags(flag_values):
+    """Build a ``TrainConfig`` from parsed absl flags, then resolve and validate it against the data.
+
+    Loads the dataset (to read its image size and channel count) and returns ``(cfg, images)``.
+    Raises ``ConfigError`` or ``megdiffusion.data.datasets.DatasetError``; nothing is written.
+    """
+    values = {}
+    for f in flag_fields():
+        value = flag_values[f.name].value
+        if isinstance(f.default, tuple):
+            try:
+                value = tuple(int(v) for v in value)
+            except ValueError:
+                raise ConfigError(f"--{f.name} needs comma-separated integers, got {','.join(value)}") from None
+        values[f.name] = value
+    return resolve(TrainConfig(**values))
+
+
+def resolve(cfg):
+    """Load the dataset, fill ``image_size``/``image_channels`` from it and validate: ``(cfg, images)``."""
+    from megdiffusion.data.datasets import load_dataset
+
+    if cfg.image_size is not None:
+        validate(cfg)  # fail before reading a possibly large dataset
+    images = load_dataset(cfg.dataset, path=cfg.data_path, image_size=cfg.image_size)
+    height, width, channels = images.shape[1:]
+    if height != width:
+        raise ConfigError(f"dataset images are {height}x{width}; set --image_size to centre-crop them square")
+    cfg = cfg.replace(image_size=height, image_channels=channels)
+    validate(cfg)
+    if images.shape[0] < cfg.batch_size:
+        raise ConfigError(f"the dataset has {images.shape[0]} images, fewer than --batch_size {cfg.batch_size}")
+    return cfg, images

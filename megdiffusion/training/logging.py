@@ -1,0 +1,103 @@
+"""Rank 0's training outputs: progress bar, metrics.jsonl, TensorBoard, EMA sample grids, run files.
+
+Run directory layout::
+
+    <logdir>/flags.cfg          the effective flags, reusable with --flagfile
+    <logdir>/config.json        the resolved TrainConfig
+    <logdir>/metrics.jsonl      one JSON object per logged step
+    <logdir>/samples/step_<step:07d>.png   EMA sample grids
+    <logdir>/checkpoints/       see checkpoint.py
+    <logdir>/tensorboard/       when tensorboardX is installed
+"""
+import json
+import os
+import tempfile
+
+import numpy as np
+from tqdm import tqdm
+
+from megdiffusion.images import make_grid, save_png, to_uint8
+from megdiffusion.training.config import to_flagfile, to_json
+
+
+def write_text_atomic(path, text):
+    """Write ``text`` to ``path`` through a temporary file and a rename."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp_")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def write_run_files(cfg):
+    """Save the effective flags (``flags.cfg``) and the resolved config (``config.json``) in the logdir."""
+    write_text_atomic(os.path.join(cfg.logdir, "flags.cfg"), to_flagfile(cfg))
+    write_text_atomic(os.path.join(cfg.logdir, "config.json"), to_json(cfg))
+
+
+def grid_seeds(cfg):
+    """The fixed per-image seeds of the training sample grids (the same at every step and on resume)."""
+    return [int(s) for s in np.random.default_rng([cfg.seed, 2]).integers(0, 2 ** 31, cfg.sample_num)]
+
+
+def sample_grid(model, diffusion, cfg):
+    """An image grid (uint8 HWC) sampled from ``model`` with the grid seeds, sampler and step count."""
+    shape = (cfg.sample_num, cfg.image_channels, cfg.image_size, cfg.image_size)
+    x = diffusion.sample(model, shape, sampler=cfg.sample_sampler, steps=cfg.sample_steps,
+                         seeds=grid_seeds(cfg))
+    return make_grid(to_uint8(x))
+
+
+def grid_path(logdir, step):
+    """Where the sample grid of ``step`` is saved."""
+    return os.path.join(logdir, "samples", f"step_{step:07d}.png")
+
+
+class RunLogger:
+    """Progress bar, metrics.jsonl and (when tensorboardX imports) TensorBoard for one run."""
+
+    def __init__(self, logdir, total_steps, start_step, progress=True):
+        os.makedirs(logdir, exist_ok=True)
+        self.metrics_file = open(os.path.join(logdir, "metrics.jsonl"), "a")
+        self.bar = tqdm(total=total_steps, initial=start_step, disable=not progress, dynamic_ncols=True,
+                        unit="step")
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            self.tensorboard = None
+        else:
+            self.tensorboard = SummaryWriter(os.path.join(logdir, "tensorboard"))
+
+    def advance(self, loss, images_per_s):
+        """One step done: move the bar and show the loss and throughput (tqdm shows the ETA)."""
+        self.bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{images_per_s:.1f}", refresh=False)
+        self.bar.update(1)
+
+    def write_metrics(self, step, metrics):
+        """Append ``{"step": step, **metrics}`` to metrics.jsonl and TensorBoard."""
+        self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.metrics_file.flush()
+        if self.tensorboard is not None:
+            for name, value in metrics.items():
+                self.tensorboard.add_scalar(f"train/{name}", value, step)
+
+    def add_grid(self, step, grid):
+        """Send a uint8 HWC sample grid to TensorBoard."""
+        if self.tensorboard is not None:
+            self.tensorboard.add_image("samples/ema", grid, step, dataformats="HWC")
+
+    def message(self, text):
+        """Print a line without breaking the progress bar."""
+        self.bar.write(text)
+
+    def close(self):
+        self.bar.close()
+        self.metrics_file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()

@@ -1,0 +1,233 @@
+"""Training: the state and one step (``Trainer``), and the loop around it (``TrainingRun``, ``train``).
+
+Randomness without saved generator state: step ``k`` of rank ``r`` draws its timesteps and noise from
+``np.random.default_rng([seed, r, k])`` and seeds MegEngine's global RNG (dropout) from the same
+stream; the data order is a function of (seed, epoch). A checkpoint therefore only needs the step
+count and the loader position to continue bit for bit.
+"""
+import signal
+import time
+
+import numpy as np
+
+from megdiffusion.compat import assign_, quiet_megengine
+from megdiffusion.data.loader import BatchLoader
+from megdiffusion.images import save_png
+from megdiffusion.training import checkpoint as ckpt
+from megdiffusion.training import distributed
+from megdiffusion.training.config import TrainConfig, build_diffusion, build_model
+from megdiffusion.training.logging import RunLogger, grid_path, sample_grid, write_run_files
+
+mge = quiet_megengine()
+from megengine.autodiff import GradManager  # noqa: E402
+from megengine.optimizer import Adam, clip_grad_norm  # noqa: E402
+
+# Fields a resumed run must share with its checkpoint (they define the network and the maths).
+RECIPE_FIELDS = ("image_size", "image_channels", "model_channels", "channel_mult", "num_res_blocks",
+                 "attention_resolutions", "num_timesteps", "beta_schedule", "mean_type", "var_type")
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or gradient norm became NaN/inf; the model was not updated."""
+
+
+def warmup_lr(cfg, step):
+    """Learning rate of (0-based) step ``step``: linear from lr/warmup_steps up to lr, then constant."""
+    if cfg.warmup_steps == 0:
+        return cfg.lr
+    return cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps)
+
+
+def step_rng(seed, rank, step):
+    """The numpy generator of one rank's step: timesteps, noise and the dropout seed come from it."""
+    return np.random.default_rng([seed, rank, step])
+
+
+class Trainer:
+    """Model, EMA copy, diffusion, Adam and the step count; ``step(x0)`` does one optimizer update."""
+
+    def __init__(self, config: TrainConfig, world_size=1, rank=0):
+        self.cfg = config
+        self.world_size = world_size
+        self.rank = rank
+        mge.random.seed(config.seed)  # identical initial weights for a given seed
+        self.model = build_model(config)
+        if world_size > 1:
+            distributed.broadcast_from_rank0(self.model)
+        self.ema = build_model(config)
+        self.ema.load_state_dict(self.model.state_dict())
+        self.ema.eval()
+        self.diffusion = build_diffusion(config)
+        self.params = list(self.model.parameters())
+        self.grad_manager = GradManager().attach(
+            self.params, callbacks=distributed.allreduce_mean_callbacks(world_size))
+        self.optimizer = Adam(self.params, lr=config.lr)
+        self.step_count = 0
+
+    def step(self, x0):
+        """One update on this rank's batch ``x0`` (float32 NCHW in [-1, 1]): {"loss", "grad_norm", "lr"}.
+
+        The loss is the batch mean of ``training_loss``; gradients are averaged over ranks, clipped to
+        ``grad_clip`` (the returned norm is the one before clipping), then Adam and the EMA update.
+        """
+        cfg = self.cfg
+        rng = step_rng(cfg.seed, self.rank, self.step_count)
+        t = rng.integers(0, self.diffusion.num_timesteps, size=len(x0)).astype(np.int32)
+        noise = rng.standard_normal(x0.shape, dtype=np.float32)
+        mge.random.seed(int(rng.integers(2 ** 31)))
+        lr = warmup_lr(cfg, self.step_count)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        with self.grad_manager:
+            loss = self.diffusion.training_loss(self.model, mge.tensor(x0), mge.tensor(t),
+                                                mge.tensor(noise)).mean()
+            self.grad_manager.backward(loss)
+        # With clipping off, an infinite bound leaves the gradients untouched (scale min(inf, 1) = 1).
+        grad_norm = float(clip_grad_norm(self.params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
+        loss = loss.item()
+        if not (np.isfinite(loss) and np.isfinite(grad_norm)):
+            self.optimizer.clear_grad()
+            raise NonFiniteLossError(f"non-finite loss {loss} (gradient norm {grad_norm}) at step "
+                                     f"{self.step_count}; the model was not updated. Try a lower --lr or "
+                                     "--grad_clip, and resume from the last checkpoint")
+        self.optimizer.step().clear_grad()
+        self._update_ema()
+        self.step_count += 1
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+
+    def _update_ema(self):
+        decay = self.cfg.ema_decay
+        for ema_param, param in zip(self.ema.parameters(), self.model.parameters()):
+            assign_(ema_param, ema_param * decay + param * (1.0 - decay))
+        for ema_buffer, buffer in zip(self.ema.buffers(), self.model.buffers()):
+            assign_(ema_buffer, buffer)
+
+    def state_dict(self):
+        """Model, EMA and optimizer state (numpy), the step, and how step randomness is derived."""
+        return {"step": self.step_count, "model": self.model.state_dict(), "ema": self.ema.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "rng": {"seed": self.cfg.seed, "scheme": "numpy default_rng([seed, rank, step])"}}
+
+    def load_state_dict(self, state):
+        self.model.load_state_dict(state["model"])
+        self.ema.load_state_dict(state["ema"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = int(state["step"])
+
+
+def check_logdir(cfg):
+    """Refuse to start a fresh run on top of another run's checkpoints (``CheckpointError``)."""
+    if not cfg.resume and ckpt.list_checkpoints(cfg.logdir):
+        raise ckpt.CheckpointError(f"{cfg.logdir} already holds checkpoints; pass --resume to continue that "
+                                   "run or choose another --logdir")
+
+
+class TrainingRun:
+    """The loop: batches -> ``Trainer.step`` -> per-step maintenance (logs, grids, checkpoints).
+
+    Only rank 0 writes. SIGINT/SIGTERM end the loop after the current step with a checkpoint.
+    """
+
+    def __init__(self, cfg, images, world_size=1, rank=0, progress=True):
+        self.cfg = cfg
+        self.trainer = Trainer(cfg, world_size, rank)
+        self.loader = BatchLoader(images, cfg.batch_size, cfg.seed, world_size, rank, cfg.random_flip)
+        self.writes = rank == 0
+        self.progress = progress
+        self.stop_signal = None
+        self.saved_step = None
+        self.logger = None
+
+    def resume(self):
+        """Load the newest loadable checkpoint of the logdir, if any. Returns its path or None."""
+        latest = ckpt.load_latest(self.cfg.logdir)
+        if latest is None:
+            return None
+        state, path = latest
+        stored = state["config"]
+        changed = [name for name in RECIPE_FIELDS
+                   if stored.get(name) != self.cfg.to_dict()[name]]
+        if changed:
+            raise ckpt.CheckpointError(f"{path} was trained with different {', '.join(changed)}; "
+                                       "use the run's flags.cfg or another --logdir")
+        self.trainer.load_state_dict(state)
+        self.loader.load_state_dict(state["loader"])
+        self.saved_step = self.trainer.step_count
+        return path
+
+    def save(self):
+        """Checkpoint the current state (rank 0) and drop the oldest beyond ``keep_checkpoints``."""
+        step = self.trainer.step_count
+        if self.writes and self.saved_step != step:
+            state = self.trainer.state_dict()
+            state.update(config=self.cfg.to_dict(), loader=self.loader.state_dict())
+            ckpt.save_checkpoint(ckpt.checkpoint_path(self.cfg.logdir, step), state)
+            ckpt.prune_checkpoints(self.cfg.logdir, self.cfg.keep_checkpoints)
+        self.saved_step = step
+
+    def _on_signal(self, signum, frame):
+        self.stop_signal = signum
+
+    def run(self):
+        """Train until ``total_steps`` (or a signal); save a final checkpoint. Returns the step reached."""
+        cfg = self.cfg
+        resumed_from = self.resume() if cfg.resume else None
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        if self.writes:
+            self.logger = RunLogger(cfg.logdir, cfg.total_steps, self.trainer.step_count, self.progress)
+            if resumed_from:
+                self.logger.message(f"resumed from {resumed_from} at step {self.trainer.step_count}")
+        try:
+            self._loop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if self.logger is not None:
+                self.logger.close()
+        return self.trainer.step_count
+
+    def _loop(self):
+        cfg = self.cfg
+        while self.trainer.step_count < cfg.total_steps and self.stop_signal is None:
+            start = time.perf_counter()
+            metrics = self.trainer.step(self.loader.next_batch())
+            metrics["images_per_s"] = cfg.batch_size / (time.perf_counter() - start)
+            self.maintenance(metrics)
+        self.save()
+        if self.stop_signal is not None and self.logger is not None:
+            self.logger.message(f"stopped by signal {self.stop_signal} at step {self.trainer.step_count}; "
+                                f"checkpoint saved in {ckpt.checkpoint_dir(cfg.logdir)}")
+
+    def maintenance(self, metrics):
+        """Per-step bookkeeping after an update: progress, metrics, sample grid, checkpoint (rank 0)."""
+        cfg, step = self.cfg, self.trainer.step_count
+        if self.writes:
+            self.logger.advance(metrics["loss"], metrics["images_per_s"])
+            if step % cfg.log_every == 0 or step == cfg.total_steps:
+                self.logger.write_metrics(step, metrics)
+            if cfg.sample_every and (step % cfg.sample_every == 0 or step == cfg.total_steps):
+                self.save_grid()
+        if cfg.save_every and step % cfg.save_every == 0:
+            self.save()
+
+    def save_grid(self):
+        """Sample the EMA model with the fixed grid seeds and save the PNG (and TensorBoard image)."""
+        step = self.trainer.step_count
+        grid = sample_grid(self.trainer.ema, self.trainer.diffusion, self.cfg)
+        save_png(grid_path(self.cfg.logdir, step), grid)
+        self.logger.add_grid(step, grid)
+
+
+def _worker(cfg, images, progress=True):
+    distributed.select_device(cfg)
+    rank, world_size = distributed.rank_and_world()
+    return TrainingRun(cfg, images, world_size, rank, progress).run()
+
+
+def train(cfg, images, progress=True):
+    """Check the devices and logdir, write the run files, and train on one or more processes."""
+    distributed.check_launch(cfg)
+    check_logdir(cfg)
+    write_run_files(cfg)
+    return distributed.launch(_worker, cfg, images, progress)
