@@ -58,7 +58,8 @@ class BatchLoader:
             self._order = np.random.default_rng([self.seed, 0, self.epoch]).permutation(len(self.images))
         flips = np.zeros(self.batch_size, dtype=bool)
         if self.random_flip:
-            flips = np.random.default_rng([self.seed, 1, self.epoch, self.position]).random(self.batch_size) < 0.5
+            flip_rng = np.random.default_rng([self.seed, 1, self.epoch, self.position])
+            flips = flip_rng.random(self.batch_size) < 0.5
         batch = self._order[self.position:self.position + self.batch_size]
         self.position += self.batch_size
         mine = slice(self.rank * self.local_batch, (self.rank + 1) * self.local_batch)

@@ -15,7 +15,8 @@ from megdiffusion.training.config import define_flags
 
 FLAGS = flags.FLAGS
 define_flags(FLAGS)
-DEFAULT_FLAGFILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "fashion_mnist_cpu.cfg")
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_FLAGFILE = os.path.join(PACKAGE_DIR, "configs", "fashion_mnist_cpu.cfg")
 
 
 def fail(message, code=2):

@@ -120,19 +120,17 @@ def to_json(cfg):
     return json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n"
 
 
-def resolutions(cfg):
-    """The feature-map sizes the UNet works at, from ``image_size`` down (one per channel_mult level)."""
-    return [cfg.image_size // 2 ** level for level in range(len(cfg.channel_mult))]
-
-
 def validate(cfg):
     """Raise ``ConfigError`` for settings that cannot train. Needs ``image_size`` resolved."""
+    from megdiffusion.data.loader import LoaderError, per_rank_batch
+    from megdiffusion.nn.unet import _check_config as check_unet_config
+
     positive = ["model_channels", "num_res_blocks", "num_timesteps", "batch_size", "total_steps",
                 "keep_checkpoints", "log_every", "sample_num", "sample_steps", "num_gpus"]
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
-    for name in ["warmup_steps", "save_every", "sample_every", "rank_start", "port"]:
+    for name in ["seed", "warmup_steps", "save_every", "sample_every", "rank_start", "port"]:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
     if cfg.lr <= 0 or cfg.grad_clip < 0:
@@ -141,27 +139,22 @@ def validate(cfg):
         raise ConfigError(f"--ema_decay must be in [0, 1), got {cfg.ema_decay}")
     if not 0.0 <= cfg.dropout < 1.0:
         raise ConfigError(f"--dropout must be in [0, 1), got {cfg.dropout}")
-    if not cfg.channel_mult or min(cfg.channel_mult) < 1:
-        raise ConfigError(f"--channel_mult needs positive integers, got {cfg.channel_mult}")
     if cfg.device not in ("auto", "cpu", "gpu"):
         raise ConfigError(f"--device must be auto, cpu or gpu, got {cfg.device!r}")
     if cfg.sample_sampler not in ("ddpm", "ddim"):
         raise ConfigError(f"--sample_sampler must be ddpm or ddim, got {cfg.sample_sampler!r}")
     if cfg.total_world_size < cfg.num_gpus:
         raise ConfigError(f"--world_size {cfg.world_size} is smaller than --num_gpus {cfg.num_gpus}")
-    if cfg.batch_size % cfg.total_world_size:
-        raise ConfigError(f"--batch_size {cfg.batch_size} is not divisible by the {cfg.total_world_size} "
-                          "processes; the global batch is split evenly across ranks")
+    try:
+        per_rank_batch(cfg.batch_size, cfg.total_world_size)
+    except LoaderError as err:
+        raise ConfigError(f"--batch_size: {err}; the global batch is split evenly across ranks") from None
     if cfg.image_size is None or cfg.image_size < 1:
         raise ConfigError("--image_size must be a positive integer")
-    factor = 2 ** (len(cfg.channel_mult) - 1)
-    if cfg.image_size % factor:
-        raise ConfigError(f"--image_size {cfg.image_size} is not divisible by {factor}, the downsampling of "
-                          f"--channel_mult {','.join(map(str, cfg.channel_mult))}; change one of them")
-    missing = sorted(set(cfg.attention_resolutions) - set(resolutions(cfg)))
-    if missing:
-        raise ConfigError(f"--attention_resolutions {missing} never occur: the UNet works at "
-                          f"{resolutions(cfg)} for --image_size {cfg.image_size}")
+    try:
+        check_unet_config(cfg.model_channels, cfg.channel_mult, cfg.attention_resolutions, cfg.image_size)
+    except ValueError as err:
+        raise ConfigError(f"bad model flags: {err}") from None
     try:
         build_diffusion(cfg)
     except (ValueError, KeyError, NotImplementedError) as err:
@@ -218,7 +211,8 @@ def config_from_flags(flag_values):
             try:
                 value = tuple(int(v) for v in value)
             except ValueError:
-                raise ConfigError(f"--{f.name} needs comma-separated integers, got {','.join(value)}") from None
+                raise ConfigError(f"--{f.name} needs comma-separated integers, "
+                                  f"got {','.join(value)}") from None
         values[f.name] = value
     return resolve(TrainConfig(**values))
 
@@ -236,5 +230,6 @@ def resolve(cfg):
     cfg = cfg.replace(image_size=height, image_channels=channels)
     validate(cfg)
     if images.shape[0] < cfg.batch_size:
-        raise ConfigError(f"the dataset has {images.shape[0]} images, fewer than --batch_size {cfg.batch_size}")
+        raise ConfigError(f"the dataset has {images.shape[0]} images, "
+                          f"fewer than --batch_size {cfg.batch_size}")
     return cfg, images
