@@ -22,7 +22,7 @@ setup(
     python_requires=">=3.8,<3.11",
     install_requires=["megengine>=1.9", "numpy<2", "absl-py", "tqdm", "pillow"],
     extras_require={
-        "dev": ["pytest", "scipy"],
+        "dev": ["pytest", "scipy", "wheel"],
         "tensorboard": ["tensorboardX"],
     },
     entry_points={

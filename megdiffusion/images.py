@@ -56,7 +56,8 @@ def save_png(path, image):
         raise
 
 
-def read_image(path):
-    """Read an image file as uint8 HWC RGB (grayscale and palette images are converted)."""
+def read_image(path, mode="RGB"):
+    """Read an image file as uint8 HWC; ``mode`` "RGB" converts gray/palette images, None keeps the file's."""
     with Image.open(path) as image:
-        return np.asarray(image.convert("RGB"), dtype=np.uint8)
+        array = np.asarray(image.convert(mode) if mode else image, dtype=np.uint8)
+    return array if array.ndim == 3 else array[:, :, None]

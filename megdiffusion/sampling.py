@@ -1,0 +1,133 @@
+"""Sampling many images: per-image seeds, resumable output directories, grids and npz.
+
+Image ``i`` of a run depends only on (seed, i): its starting noise and every noise draw of the sampler come
+from a generator seeded by ``image_seed(seed, i)``. So a run split into pieces, resumed after a crash, or
+spread over several GPUs writes the same images as one uninterrupted run (for a given batch size).
+"""
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from megdiffusion.images import make_grid, read_image, save_png, to_uint8
+
+MANIFEST = "manifest.json"
+SAMPLERS = ("ddpm", "ddim")
+
+
+class SamplingError(ValueError):
+    """Bad sampling input; the message is one line that says what to fix."""
+
+
+def image_seed(seed, index):
+    """The integer seed of image ``index`` in a run seeded with ``seed``."""
+    return (int(seed) << 32) + int(index)
+
+
+def check_sampler(diffusion, sampler, steps):
+    """Raise SamplingError unless ``sampler`` is known and 1 <= steps <= T (None means T)."""
+    if sampler not in SAMPLERS:
+        raise SamplingError(f"unknown sampler {sampler!r}; choose one of: {', '.join(SAMPLERS)}")
+    if steps is not None and not 1 <= steps <= diffusion.num_timesteps:
+        raise SamplingError(f"--steps must be between 1 and T={diffusion.num_timesteps}, got {steps}")
+
+
+def generate_images(model, diffusion, image_shape, indices, seed, sampler="ddpm", steps=None, eta=0.0,
+                    batch_size=64, progress=None):
+    """Sample the images ``indices`` of a run (each from ``image_seed(seed, i)``) as uint8 NHWC.
+
+    ``image_shape`` is (C, H, W); ``progress`` is an optional tqdm bar advanced per image.
+    """
+    check_sampler(diffusion, sampler, steps)
+    indices = list(indices)
+    out = []
+    for start in range(0, len(indices), batch_size):
+        chunk = indices[start:start + batch_size]
+        x = diffusion.sample(model, (len(chunk),) + tuple(image_shape), sampler=sampler, steps=steps, eta=eta,
+                             seeds=[image_seed(seed, i) for i in chunk])
+        out.append(to_uint8(x))
+        if progress is not None:
+            progress.update(len(chunk))
+    c, h, w = image_shape
+    return np.concatenate(out) if out else np.zeros((0, h, w, c), np.uint8)
+
+
+def image_path(output, index):
+    return Path(output) / f"{index:06d}.png"
+
+
+def prepare_output(output, settings):
+    """Create ``output`` (a directory) or check that its manifest matches ``settings``.
+
+    A directory written with other settings is refused, so images of two models or samplers never mix.
+    """
+    output = Path(output)
+    if output.exists() and not output.is_dir():
+        raise SamplingError(f"--output {output} is a file; give a directory (it will hold 000000.png, ...)")
+    manifest = output / MANIFEST
+    if manifest.exists():
+        try:
+            previous = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            raise SamplingError(f"{manifest} is unreadable; delete it or choose another --output") from None
+        changed = sorted(k for k in settings if previous.get(k) != settings[k])
+        if changed:
+            details = ", ".join(f"{k}: {previous.get(k)!r} -> {settings[k]!r}" for k in changed)
+            raise SamplingError(f"{output} holds images made with other settings ({details}); "
+                                "choose another --output or delete it")
+        return
+    output.mkdir(parents=True, exist_ok=True)
+    _write_text_atomic(manifest, json.dumps(settings, indent=2, sort_keys=True) + "\n")
+
+
+def missing_indices(output, num_images, rank=0, world_size=1):
+    """This rank's share (i % world_size == rank) of the images not yet written in ``output``."""
+    return [i for i in range(rank, num_images, world_size) if not image_path(output, i).exists()]
+
+
+def sample_to_directory(model, diffusion, image_shape, output, num_images, seed, sampler="ddpm", steps=None,
+                        eta=0.0, batch_size=64, rank=0, world_size=1, progress=True):
+    """Write this rank's missing images ``000000.png ...`` into ``output``; returns how many it wrote.
+
+    Each PNG is written atomically as soon as its batch is done, so an interrupted run loses at most
+    one batch and a rerun continues where it stopped.
+    """
+    todo = missing_indices(output, num_images, rank, world_size)
+    bar = tqdm(total=len(todo), unit="img", desc=f"sampling ({sampler})", disable=not progress or rank != 0,
+               dynamic_ncols=True)
+    with bar:
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start:start + batch_size]
+            images = generate_images(model, diffusion, image_shape, chunk, seed, sampler, steps, eta,
+                                     batch_size, progress=bar)
+            for index, image in zip(chunk, images):
+                save_png(image_path(output, index), image)
+    return len(todo)
+
+
+def read_samples(output, num_images):
+    """Read images 0..num_images-1 of ``output`` as uint8 NHWC (channels as written)."""
+    return np.stack([read_image(image_path(output, i), mode=None) for i in range(num_images)])
+
+
+def write_summaries(output, num_images, npz=True, grid_size=64):
+    """Write ``grid.png`` (the first ``grid_size`` images) and, with ``npz``, ``samples.npz`` (arr_0)."""
+    images = read_samples(output, num_images)
+    save_png(Path(output) / "grid.png", make_grid(images[:grid_size]))
+    if npz:
+        path = Path(output) / "samples.npz"
+        fd, tmp = tempfile.mkstemp(dir=output, prefix=".tmp-", suffix=".npz")
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, arr_0=images)
+        os.replace(tmp, path)
+    return images
+
+
+def _write_text_atomic(path, text):
+    fd, tmp = tempfile.mkstemp(dir=Path(path).parent, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

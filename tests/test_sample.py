@@ -1,0 +1,134 @@
+"""Sampling many images: determinism, resume, split invariance, EMA vs raw, and the CLI's bad inputs."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megdiffusion import sampling
+from megdiffusion.compat import quiet_megengine
+from megdiffusion.training import checkpoint as ckpt
+from megdiffusion.training.config import TrainConfig
+from megdiffusion.training.trainer import TrainingRun
+
+quiet_megengine()
+
+SHAPE = (1, 8, 8)
+
+
+@pytest.fixture(scope="module")
+def logdir(tmp_path_factory):
+    """A tiny trained run: 8x8 gray, T=40, a few steps with a fast EMA so EMA and raw weights differ."""
+    logdir = tmp_path_factory.mktemp("run")
+    cfg = TrainConfig(image_size=8, image_channels=1, model_channels=32, channel_mult=(1,), num_res_blocks=1,
+                      attention_resolutions=(), dropout=0.0, num_timesteps=40, batch_size=8, warmup_steps=0,
+                      lr=1e-2, ema_decay=0.5, total_steps=3, sample_every=0, save_every=0, logdir=str(logdir))
+    images = np.random.default_rng(0).integers(0, 256, size=(32, 8, 8, 1), dtype=np.uint8)
+    TrainingRun(cfg, images, progress=False).run()
+    return logdir
+
+
+@pytest.fixture(scope="module")
+def loaded(logdir):
+    model, diffusion, _, _ = ckpt.load_model_for_sampling(str(logdir))
+    return model, diffusion
+
+
+def generate(loaded, indices, seed=0, sampler="ddpm", steps=None, batch_size=8):
+    model, diffusion = loaded
+    return sampling.generate_images(model, diffusion, SHAPE, indices, seed, sampler, steps, 0.0, batch_size)
+
+
+def test_same_seed_same_bytes_other_seed_other_images(loaded):
+    a = generate(loaded, range(8))
+    np.testing.assert_array_equal(a, generate(loaded, range(8)))
+    assert not np.array_equal(a, generate(loaded, range(8), seed=1))
+    assert len({a[i].tobytes() for i in range(8)}) == 8  # every image has its own noise
+
+
+def test_split_runs_equal_one_run(loaded):
+    whole = generate(loaded, range(16), sampler="ddim", steps=5)
+    parts = np.concatenate([generate(loaded, range(0, 8), sampler="ddim", steps=5),
+                            generate(loaded, range(8, 16), sampler="ddim", steps=5)])
+    np.testing.assert_array_equal(whole, parts)
+
+
+def test_ema_and_raw_weights_differ(logdir):
+    ema_model, diffusion, _, _ = ckpt.load_model_for_sampling(str(logdir), ema=True)
+    raw_model, _, _, _ = ckpt.load_model_for_sampling(str(logdir), ema=False)
+    ema = sampling.generate_images(ema_model, diffusion, SHAPE, range(4), 0, "ddim", 5)
+    raw = sampling.generate_images(raw_model, diffusion, SHAPE, range(4), 0, "ddim", 5)
+    assert not np.array_equal(ema, raw)
+
+
+def test_interrupted_run_resumes_to_the_same_images(loaded, tmp_path, monkeypatch):
+    model, diffusion = loaded
+    args = (model, diffusion, SHAPE)
+    sampling.sample_to_directory(*args, tmp_path / "straight", 12, seed=3, batch_size=4, progress=False)
+
+    written = []
+    real_save = sampling.save_png
+
+    def save_then_crash(path, image):
+        if len(written) == 6:  # mid-way through the second batch
+            raise KeyboardInterrupt
+        real_save(path, image)
+        written.append(path)
+
+    monkeypatch.setattr(sampling, "save_png", save_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        sampling.sample_to_directory(*args, tmp_path / "resumed", 12, seed=3, batch_size=4, progress=False)
+    monkeypatch.setattr(sampling, "save_png", real_save)
+    assert len(sampling.missing_indices(tmp_path / "resumed", 12)) == 6
+    assert sampling.sample_to_directory(*args, tmp_path / "resumed", 12, seed=3, batch_size=4,
+                                        progress=False) == 6
+    np.testing.assert_array_equal(sampling.read_samples(tmp_path / "resumed", 12),
+                                  sampling.read_samples(tmp_path / "straight", 12))
+
+
+def run_sample(*args):
+    return subprocess.run([sys.executable, "-m", "megdiffusion.scripts.sample", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_writes_pngs_grid_npz_and_refuses_other_settings(logdir, tmp_path):
+    out = tmp_path / "out"
+    result = run_sample(f"--ckpt={logdir}", f"--output={out}", "--num_images=6", "--batch_size=4",
+                        "--sampler=ddim", "--steps=4")
+    assert result.returncode == 0, result.stderr
+    assert "info: +" not in result.stderr  # MegEngine's CPU banner is filtered out
+    images = np.load(out / "samples.npz")["arr_0"]
+    assert images.shape == (6, 8, 8, 1) and images.dtype == np.uint8
+    np.testing.assert_array_equal(images, sampling.read_samples(out, 6))
+    assert (out / "grid.png").is_file()
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    result = run_sample(f"--ckpt={logdir}", f"--output={out}", "--num_images=6", "--sampler=ddim",
+                        "--steps=4", "--seed=1")
+    assert result.returncode == 2 and "other settings" in result.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "no checkpoint file"),
+    ("corrupt", "cannot read checkpoint"),
+    ("sampler", "unknown sampler"),
+    ("steps", "between 1 and T=40"),
+    ("output_file", "is a file"),
+])
+def test_cli_bad_input_one_line_exit_2(logdir, tmp_path, case, message):
+    good = ckpt.list_checkpoints(str(logdir))[-1]
+    corrupt = tmp_path / "ckpt_0000001.pkl"
+    corrupt.write_bytes(b"\x80\x04garbage")
+    output_file = tmp_path / "taken.txt"
+    output_file.write_text("keep me")
+    args = {"ckpt": good, "output": str(tmp_path / "out"), "sampler": "ddim", "steps": "4"}
+    args.update({"missing": {"ckpt": str(tmp_path / "nope.pkl")}, "corrupt": {"ckpt": str(corrupt)},
+                 "sampler": {"sampler": "euler"}, "steps": {"steps": "41"},
+                 "output_file": {"output": str(output_file)}}[case])
+    result = run_sample(*(f"--{k}={v}" for k, v in args.items()), "--num_images=2")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
+    assert output_file.read_text() == "keep me"
+    assert not os.path.exists(tmp_path / "out")
