@@ -1,0 +1,112 @@
+"""Training-step throughput, native convolutions vs the fast CPU backward, side by side in one process.
+
+Times ``Trainer.step`` (training loss, GradManager backward, clip_grad_norm, Adam, EMA) on two models:
+
+- ``cpu``: the CPU recipe's model flags, read from configs/fashion_mnist_cpu.cfg (28x28 gray);
+- ``cifar``: a CIFAR-10-shaped small model (3x32x32, 64 channels, mult 1,2,2,2, attention at 16).
+
+The two paths alternate (native, fast, native, fast, ...) so that machine load hits both alike. Prints one
+JSON line per measurement, then per model a summary line with the median images/s of each path and
+their ratio (fast / native).
+
+    python benchmarks/train_step.py                       # both models, 2 rounds, 1 step per measurement
+    python benchmarks/train_step.py --models cpu --rounds 3 --steps 2
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megdiffusion.compat import quiet_megengine  # noqa: E402
+
+quiet_megengine()
+from absl import flags  # noqa: E402
+
+from megdiffusion.images import to_float  # noqa: E402
+from megdiffusion.nn.conv import set_fast_conv  # noqa: E402
+from megdiffusion.training.config import TrainConfig, config_from_flags, define_flags  # noqa: E402
+from megdiffusion.training.trainer import Trainer  # noqa: E402
+
+CPU_FLAGFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                            "fashion_mnist_cpu.cfg")
+
+
+def cpu_recipe(batch_size):
+    """Config and a real batch of the CPU recipe (its flagfile, with the batch size overridden)."""
+    flag_values = flags.FlagValues()
+    define_flags(flag_values)
+    flag_values(["train_step", f"--flagfile={CPU_FLAGFILE}", f"--batch_size={batch_size}"])
+    cfg, images = config_from_flags(flag_values)
+    return cfg, to_float(images[:batch_size])
+
+
+def cifar_shaped(batch_size, num_res_blocks):
+    """A CIFAR-10-shaped small model and a random batch in [-1, 1]."""
+    cfg = TrainConfig(image_size=32, image_channels=3, model_channels=64, channel_mult=(1, 2, 2, 2),
+                      num_res_blocks=num_res_blocks, attention_resolutions=(16,), dropout=0.1,
+                      batch_size=batch_size)
+    x0 = np.random.default_rng(0).uniform(-1, 1, (batch_size, 3, 32, 32)).astype(np.float32)
+    return cfg, x0
+
+
+def measure(trainer, x0, steps):
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer.step(x0)
+    return time.perf_counter() - start
+
+
+def run(name, cfg, x0, rounds, steps):
+    trainer = Trainer(cfg)
+    for fast in (False, True):  # warm-up of both paths, not timed
+        set_fast_conv(fast)
+        trainer.step(x0)
+    rates = {"native": [], "fast": []}
+    for round_index in range(rounds):
+        for fast in (False, True):
+            set_fast_conv(fast)
+            path = "fast" if fast else "native"
+            seconds = measure(trainer, x0, steps)
+            rates[path].append(steps * len(x0) / seconds)
+            print(json.dumps({"model": name, "path": path, "round": round_index, "steps": steps,
+                              "batch": len(x0), "seconds": round(seconds, 3),
+                              "images_per_s": round(rates[path][-1], 3)}), flush=True)
+    native, fast = statistics.median(rates["native"]), statistics.median(rates["fast"])
+    print(json.dumps({"model": name, "summary": True, "native_images_per_s": round(native, 3),
+                      "fast_images_per_s": round(fast, 3), "ratio": round(fast / native, 2),
+                      "image_size": cfg.image_size, "channels": cfg.image_channels,
+                      "model_channels": cfg.model_channels, "channel_mult": list(cfg.channel_mult),
+                      "num_res_blocks": cfg.num_res_blocks,
+                      "attention_resolutions": list(cfg.attention_resolutions)}), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="cpu,cifar", help="comma-separated: cpu, cifar")
+    parser.add_argument("--rounds", type=int, default=2, help="native/fast pairs per model")
+    parser.add_argument("--steps", type=int, default=1, help="training steps per measurement")
+    parser.add_argument("--cpu_batch", type=int, default=32, help="batch size of the cpu model")
+    parser.add_argument("--cifar_batch", type=int, default=16, help="batch size of the cifar model")
+    parser.add_argument("--cifar_res_blocks", type=int, default=1, help="residual blocks per level (cifar)")
+    args = parser.parse_args()
+    models = args.models.split(",")
+    unknown = sorted(set(models) - {"cpu", "cifar"})
+    if unknown:
+        parser.error(f"unknown --models {','.join(unknown)}; choose from cpu, cifar")
+    if min(args.rounds, args.steps, args.cpu_batch, args.cifar_batch, args.cifar_res_blocks) < 1:
+        parser.error("--rounds, --steps, --cpu_batch, --cifar_batch and --cifar_res_blocks must be >= 1")
+    for name in models:
+        if name == "cpu":
+            cfg, x0 = cpu_recipe(args.cpu_batch)
+        else:
+            cfg, x0 = cifar_shaped(args.cifar_batch, args.cifar_res_blocks)
+        run(name, cfg, x0, args.rounds, args.steps)
+
+
+if __name__ == "__main__":
+    main()
