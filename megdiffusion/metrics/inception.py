@@ -501,8 +501,8 @@ def build_inception(weights_path=None, fast_cpu=None):
 
     if fast_cpu is None:
         fast_cpu = not cuda_available()
-    net = InceptionV3(fast_cpu=fast_cpu)
     weights = load_weights(weights_path)
+    net = InceptionV3(fast_cpu=fast_cpu)
     expected = {name: tuple(value.shape) for name, value in net.state_dict().items()}
     got = {name: tuple(value.shape) for name, value in weights.items()}
     if expected != got:

