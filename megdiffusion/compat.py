@@ -63,6 +63,8 @@ def quiet_megengine():
     with _filtered_stderr():
         import megengine
         import megengine.distributed  # noqa: F401
+
+        megengine.tensor([0.0]).numpy()  # the first tensor prints the CUDA probe's debug lines on CPU
     return megengine
 
 
