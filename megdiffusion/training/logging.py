@@ -11,6 +11,7 @@ Run directory layout::
 """
 import json
 import os
+import sys
 import tempfile
 
 import numpy as np
@@ -93,8 +94,8 @@ class RunLogger:
             self.tensorboard.add_image("samples/ema", grid, step, dataformats="HWC")
 
     def message(self, text):
-        """Print a line without breaking the progress bar."""
-        self.bar.write(text)
+        """Print a line on stderr without breaking the progress bar."""
+        self.bar.write(text, file=sys.stderr)
 
     def close(self):
         self.bar.close()

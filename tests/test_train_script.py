@@ -1,0 +1,135 @@
+"""``python -m megdiffusion.scripts.train`` end to end: outputs, exact resume, SIGTERM, bad input."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megdiffusion.training.checkpoint import list_checkpoints, load_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+# A one-level 32-channel UNet: small enough for a few CPU steps per second.
+TINY_MODEL = ["--model_channels=32", "--channel_mult=1", "--num_res_blocks=1", "--attention_resolutions="]
+
+
+def train(*args, hashseed=0, timeout=240):
+    env = dict(os.environ, PYTHONHASHSEED=str(hashseed))
+    return subprocess.run([sys.executable, "-m", "megdiffusion.scripts.train", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def error_lines(stderr):
+    """stderr without MegEngine's CPU-mode banner lines."""
+    return [line for line in stderr.splitlines() if line and not line.startswith(("info: ", "debug: "))]
+
+
+@pytest.fixture
+def npz_data(tmp_path):
+    """32 gray 8x8 images in the npz format."""
+    images = np.random.default_rng(0).integers(0, 256, size=(32, 8, 8, 1), dtype=np.uint8)
+    path = tmp_path / "data.npz"
+    np.savez(path, images)
+    return str(path)
+
+
+def test_cpu_recipe_end_to_end(tmp_path):
+    logdir = tmp_path / "run"
+    result = train("--flagfile=configs/fashion_mnist_cpu.cfg", "--total_steps=20", f"--logdir={logdir}",
+                   *TINY_MODEL, "--batch_size=4", "--sample_every=20", "--sample_num=4", "--sample_steps=2")
+    assert result.returncode == 0, result.stderr
+    metrics = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [10, 20]
+    assert all(set(m) == {"step", "loss", "grad_norm", "lr", "images_per_s"} for m in metrics)
+    assert all(np.isfinite(m["loss"]) and m["images_per_s"] > 0 for m in metrics)
+    assert (logdir / "samples" / "step_0000020.png").is_file()
+    [ckpt_path] = list_checkpoints(str(logdir))
+    ckpt = load_checkpoint(ckpt_path)
+    assert ckpt["step"] == 20 and ckpt["config"]["image_size"] == 28 and ckpt["config"]["image_channels"] == 1
+    assert json.loads((logdir / "config.json").read_text()) == ckpt["config"]
+    flags = (logdir / "flags.cfg").read_text()
+    assert "--channel_mult=1\n" in flags and "--total_steps=20\n" in flags and "--image_size=28\n" in flags
+
+
+def test_exact_resume_in_a_new_process(tmp_path, npz_data):
+    common = ["--dataset=npz", f"--data_path={npz_data}", *TINY_MODEL, "--dropout=0.1", "--num_timesteps=50",
+              "--batch_size=8", "--warmup_steps=3", "--sample_every=0", "--save_every=0", "--log_every=1"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    # 6 steps of 8 out of 32 images: the run crosses an epoch boundary after the resume.
+    runs = [train(*common, "--total_steps=6", f"--logdir={straight}", hashseed=1),
+            train(*common, "--total_steps=3", f"--logdir={split}", hashseed=2),
+            train(*common, "--total_steps=6", f"--logdir={split}", "--resume", hashseed=3)]
+    for result in runs:
+        assert result.returncode == 0, result.stderr
+    assert "resumed from" in runs[2].stderr
+    a = load_checkpoint(list_checkpoints(str(straight))[-1])
+    b = load_checkpoint(list_checkpoints(str(split))[-1])
+    assert a["step"] == b["step"] == 6
+    assert a["loader"] == b["loader"] == {"epoch": 1, "position": 16}
+    for key in ("model", "ema"):
+        assert list(a[key]) == list(b[key])
+        for name in a[key]:
+            np.testing.assert_array_equal(a[key][name], b[key][name], err_msg=f"{key}.{name}")
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    assert sorted(a["optimizer"]["state"]) == sorted(b["optimizer"]["state"])
+    for index, state in a["optimizer"]["state"].items():
+        for name, value in state.items():
+            np.testing.assert_array_equal(value, b["optimizer"]["state"][index][name])
+    losses = [json.loads(line)["loss"] for line in (split / "metrics.jsonl").read_text().splitlines()]
+    straight_losses = [json.loads(line)["loss"] for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert losses == straight_losses
+
+
+def test_sigterm_saves_a_loadable_checkpoint(tmp_path, npz_data):
+    logdir = tmp_path / "run"
+    args = ["--dataset=npz", f"--data_path={npz_data}", *TINY_MODEL, "--batch_size=8", "--total_steps=100000",
+            "--sample_every=0", "--save_every=0", "--log_every=1", f"--logdir={logdir}"]
+    proc = subprocess.Popen([sys.executable, "-m", "megdiffusion.scripts.train", *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = logdir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "timeout"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "stopped by signal" in stderr
+    [path] = list_checkpoints(str(logdir))
+    ckpt = load_checkpoint(path)
+    assert 2 <= ckpt["step"] < 100000
+    assert path.endswith(f"ckpt_{ckpt['step']:07d}.pkl")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dataset=imagenet"], "unknown dataset 'imagenet'"),
+    (["--dataset=npz", "--data_path=/nonexistent/data.npz"], "does not exist"),
+    (["--dataset=folder", "--data_path={empty}", "--image_size=28"], "no images"),
+    (["--image_size=30"], "must be divisible by"),
+    (["--attention_resolutions=16"], "never occur"),
+    (["--batch_size=10", "--world_size=4"], "not divisible by world size 4"),
+    (["--num_gpus=2"], "--num_gpus 2 needs CUDA GPUs"),
+    (["--batch_size=abc"], "batch_size"),
+    (["positional"], "unexpected arguments"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message):
+    (tmp_path / "empty").mkdir()
+    logdir = tmp_path / "run"
+    args = [arg.replace("{empty}", str(tmp_path / "empty")) for arg in args]
+    result = train(*args, f"--logdir={logdir}")
+    assert result.returncode == 2, result.stderr
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1 and lines[0].startswith("train: error:") and message in lines[0], result.stderr
+    assert not logdir.exists()
+
+
+def test_fresh_run_refuses_a_logdir_with_checkpoints(tmp_path, npz_data):
+    common = ["--dataset=npz", f"--data_path={npz_data}", *TINY_MODEL, "--batch_size=8", "--total_steps=1",
+              "--sample_every=0", f"--logdir={tmp_path / 'run'}"]
+    assert train(*common).returncode == 0
+    result = train(*common)
+    assert result.returncode == 2 and "pass --resume" in error_lines(result.stderr)[0]
