@@ -1,0 +1,117 @@
+"""Checkpoint files: atomic writes, rotation, corrupt-file fallback, rebuilding a model for sampling."""
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+from megdiffusion.training import checkpoint as ckpt
+from megdiffusion.training.config import TrainConfig
+from megdiffusion.training.trainer import TrainingRun
+
+
+def fake_state(step):
+    return {"step": step, "config": {}, "model": {"w": np.full(3, step, np.float32)}, "ema": {},
+            "optimizer": {}, "loader": {"epoch": 0, "position": step}}
+
+
+def tiny_run(logdir, **changes):
+    values = dict(image_size=8, image_channels=1, model_channels=32, channel_mult=(1,), num_res_blocks=1,
+                  attention_resolutions=(), dropout=0.0, num_timesteps=50, batch_size=4, total_steps=4,
+                  save_every=2, keep_checkpoints=5, sample_every=0, logdir=str(logdir), ema_decay=0.5)
+    values.update(changes)
+    images = np.random.default_rng(0).integers(0, 256, size=(16, 8, 8, 1), dtype=np.uint8)
+    return TrainingRun(TrainConfig(**values), images, progress=False)
+
+
+def test_save_is_atomic_and_round_trips(tmp_path):
+    path = ckpt.checkpoint_path(str(tmp_path), 12)
+    assert path == os.path.join(str(tmp_path), "checkpoints", "ckpt_0000012.pkl")
+    ckpt.save_checkpoint(path, fake_state(12))
+    assert os.listdir(tmp_path / "checkpoints") == ["ckpt_0000012.pkl"]  # no temporary file left
+    loaded = ckpt.load_checkpoint(path)
+    assert loaded["step"] == 12 and np.array_equal(loaded["model"]["w"], [12, 12, 12])
+
+
+def test_failed_save_keeps_the_old_file(tmp_path):
+    path = ckpt.checkpoint_path(str(tmp_path), 1)
+    ckpt.save_checkpoint(path, fake_state(1))
+    with pytest.raises((AttributeError, TypeError, pickle.PicklingError)):
+        ckpt.save_checkpoint(path, {"unpicklable": lambda: None, **fake_state(2)})
+    assert ckpt.load_checkpoint(path)["step"] == 1
+    assert os.listdir(tmp_path / "checkpoints") == ["ckpt_0000001.pkl"]
+
+
+def test_list_is_ordered_by_step_and_prune_keeps_the_newest(tmp_path):
+    for step in (3, 100, 20, 7):
+        ckpt.save_checkpoint(ckpt.checkpoint_path(str(tmp_path), step), fake_state(step))
+    (tmp_path / "checkpoints" / "notes.txt").write_text("not a checkpoint")
+    steps = [ckpt.load_checkpoint(p)["step"] for p in ckpt.list_checkpoints(str(tmp_path))]
+    assert steps == [3, 7, 20, 100]
+    assert ckpt.list_checkpoints(str(tmp_path / "checkpoints")) == ckpt.list_checkpoints(str(tmp_path))
+    ckpt.prune_checkpoints(str(tmp_path), keep=2)
+    assert [ckpt.load_checkpoint(p)["step"] for p in ckpt.list_checkpoints(str(tmp_path))] == [20, 100]
+    assert ckpt.list_checkpoints(str(tmp_path / "nowhere")) == []
+
+
+def test_corrupt_newest_falls_back_with_a_warning(tmp_path):
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(ckpt.checkpoint_path(str(tmp_path), step), fake_state(step))
+    newest = ckpt.checkpoint_path(str(tmp_path), 3)
+    data = open(newest, "rb").read()
+    open(newest, "wb").write(data[: len(data) // 2])  # a write cut short
+    warnings = []
+    state, path = ckpt.load_latest(str(tmp_path), warn=warnings.append)
+    assert state["step"] == 2 and path == ckpt.checkpoint_path(str(tmp_path), 2)
+    assert len(warnings) == 1 and "ckpt_0000003.pkl" in warnings[0]
+
+
+def test_unloadable_checkpoints_raise_one_line_errors(tmp_path):
+    assert ckpt.load_latest(str(tmp_path)) is None
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint file"):
+        ckpt.load_checkpoint(str(tmp_path / "missing.pkl"))
+    path = ckpt.checkpoint_path(str(tmp_path), 5)
+    os.makedirs(os.path.dirname(path))
+    open(path, "wb").write(b"garbage")
+    with pytest.raises(ckpt.CheckpointError, match="cannot read checkpoint"):
+        ckpt.load_checkpoint(path)
+    with pytest.raises(ckpt.CheckpointError, match="none of the 1 checkpoints"):
+        ckpt.load_latest(str(tmp_path), warn=lambda message: None)
+    ckpt.save_checkpoint(path, {"step": 5})
+    with pytest.raises(ckpt.CheckpointError, match="not a megdiffusion training checkpoint"):
+        ckpt.load_checkpoint(path)
+
+
+def test_resume_skips_a_corrupt_newest_checkpoint(tmp_path, capfd):
+    first = tiny_run(tmp_path)
+    first.run()
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(str(tmp_path))] == [
+        "ckpt_0000002.pkl", "ckpt_0000004.pkl"]
+    open(ckpt.checkpoint_path(str(tmp_path), 4), "wb").write(b"\x80\x04truncated")
+    resumed = tiny_run(tmp_path, resume=True)
+    assert resumed.resume() == ckpt.checkpoint_path(str(tmp_path), 2)
+    assert resumed.trainer.step_count == 2 and resumed.loader.state_dict() == {"epoch": 0, "position": 8}
+    assert "warning: skipping checkpoint" in capfd.readouterr().err
+
+
+def test_resume_refuses_a_different_model(tmp_path):
+    tiny_run(tmp_path, total_steps=2).run()
+    with pytest.raises(ckpt.CheckpointError, match="different model_channels"):
+        tiny_run(tmp_path, resume=True, model_channels=64).resume()
+
+
+def test_load_model_for_sampling_rebuilds_the_ema_network(tmp_path):
+    run = tiny_run(tmp_path)
+    run.run()
+    for ema in (True, False):
+        model, diffusion, config, step = ckpt.load_model_for_sampling(str(tmp_path), ema=ema)
+        source = run.trainer.ema if ema else run.trainer.model
+        assert step == 4 and config == run.cfg.to_dict() and diffusion.num_timesteps == 50
+        assert not model.training
+        for (name, a), (_, b) in zip(model.named_parameters(), source.named_parameters()):
+            np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=name)
+    model, *_ = ckpt.load_model_for_sampling(ckpt.checkpoint_path(str(tmp_path), 2))
+    assert not np.array_equal(next(model.parameters()).numpy(), next(run.trainer.ema.parameters()).numpy())
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoints"):
+        ckpt.load_model_for_sampling(str(tmp_path / "empty"))
