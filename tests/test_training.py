@@ -160,3 +160,30 @@ def test_distributed_pieces_on_cpu():
         distributed.check_launch(tiny_config(num_gpus=2, batch_size=8))
     with pytest.raises(distributed.LaunchError, match="--port"):
         distributed.check_launch(tiny_config(rank_start=1, device="cpu"))
+
+
+def _train_steps(cfg, steps):
+    """Worker (module level, so spawned processes can import it): a few steps -> parameters (numpy)."""
+    rank, world_size = distributed.rank_and_world()
+    trainer = Trainer(cfg, world_size, rank)
+    for k in range(steps):
+        trainer.step(toy_batch(8, seed=k)[rank * 8 // world_size:(rank + 1) * 8 // world_size])
+    return params_numpy(trainer.model)
+
+
+@pytest.mark.gpu
+def test_one_rank_launcher_run_equals_the_single_process_run():
+    cfg = tiny_config(device="gpu")
+    expected = _train_steps(cfg, 3)
+    [launched] = distributed.launch(_train_steps, cfg, 3, use_launcher=True)
+    for a, b in zip(expected, launched):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_two_ranks_keep_identical_parameters():
+    if mge.device.get_device_count("gpu") < 2:
+        pytest.skip("needs 2 GPUs")
+    first, second = distributed.launch(_train_steps, tiny_config(num_gpus=2), 3)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)

@@ -3,7 +3,11 @@
 Single process: ``launch`` calls the worker directly with world size 1, rank 0. More GPUs (or a
 multi-machine ``--world_size``): one process per local GPU through ``megengine.distributed.launcher``;
 each asks ``rank_and_world()`` who it is. Distributed MegEngine needs GPUs.
+
+The workers are started with the "spawn" method: the parent has already created tensors (config
+checks, the CUDA probe), and a CUDA context does not survive ``fork``.
 """
+import multiprocessing
 from megdiffusion.compat import cuda_available, quiet_megengine
 
 
@@ -18,6 +22,8 @@ def is_multiprocess(cfg):
 
 def check_launch(cfg):
     """Fail early, in one line, when the device or distributed flags cannot work here."""
+    if is_multiprocess(cfg) and cfg.device == "cpu":
+        raise LaunchError("distributed training runs on GPUs only; drop --device cpu or use --num_gpus 1")
     wants_gpu = cfg.device == "gpu" or is_multiprocess(cfg)
     if wants_gpu and not cuda_available():
         what = f"--num_gpus {cfg.num_gpus}" if is_multiprocess(cfg) else "--device gpu"
@@ -27,11 +33,15 @@ def check_launch(cfg):
         raise LaunchError("--rank_start > 0 (a machine other than the master) needs the master's --port")
 
 
-def launch(worker, cfg, *args):
-    """Run ``worker(cfg, *args)`` once here, or once per local GPU through MegEngine's launcher."""
-    if not is_multiprocess(cfg):
+def launch(worker, cfg, *args, use_launcher=None):
+    """Run ``worker(cfg, *args)`` once here, or once per local GPU through MegEngine's launcher.
+
+    ``use_launcher``: None = only for more than one process; True also launches a single GPU process.
+    """
+    if not (is_multiprocess(cfg) if use_launcher is None else use_launcher):
         return worker(cfg, *args)
     dist = quiet_megengine().distributed
+    multiprocessing.set_start_method("spawn", force=True)
     return dist.launcher(worker, n_gpus=cfg.num_gpus, world_size=cfg.total_world_size,
                          rank_start=cfg.rank_start, master_ip=cfg.master_ip, port=cfg.port)(cfg, *args)
 

@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from megdiffusion.compat import assign_, quiet_megengine
+from megdiffusion.data.datasets import load_dataset
 from megdiffusion.data.loader import BatchLoader
 from megdiffusion.images import save_png
 from megdiffusion.training import checkpoint as ckpt
@@ -219,15 +220,24 @@ class TrainingRun:
         self.logger.add_grid(step, grid)
 
 
-def _worker(cfg, images, progress=True):
+def _worker(cfg, images=None, progress=True):
+    """One training process; ``images=None``: load the dataset here (launched workers)."""
     distributed.select_device(cfg)
     rank, world_size = distributed.rank_and_world()
+    if images is None:
+        images = load_dataset(cfg.dataset, path=cfg.data_path, image_size=cfg.image_size)
     return TrainingRun(cfg, images, world_size, rank, progress).run()
 
 
-def train(cfg, images, progress=True):
-    """Check the devices and logdir, write the run files, and train on one or more processes."""
+def train(cfg, images, progress=True, use_launcher=None):
+    """Check the devices and logdir, write the run files, and train on one or more processes.
+
+    ``images`` (from ``config.resolve``) is used directly by a single process; launched workers
+    each load the dataset themselves rather than receive a pickled copy. ``use_launcher``: see
+    ``distributed.launch``. Returns the step reached (a list, one per local rank, when launched).
+    """
     distributed.check_launch(cfg)
     check_logdir(cfg)
     write_run_files(cfg)
-    return distributed.launch(_worker, cfg, images, progress)
+    launched = distributed.is_multiprocess(cfg) if use_launcher is None else use_launcher
+    return distributed.launch(_worker, cfg, None if launched else images, progress, use_launcher=launched)
