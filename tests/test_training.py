@@ -187,3 +187,19 @@ def test_two_ranks_keep_identical_parameters():
     first, second = distributed.launch(_train_steps, tiny_config(num_gpus=2), 3)
     for a, b in zip(first, second):
         np.testing.assert_array_equal(a, b)
+
+
+def test_saved_flagfile_reproduces_the_config(tmp_path):
+    from absl import flags
+
+    from megdiffusion.training.config import config_from_flags, define_flags, to_flagfile
+
+    cfg = tiny_config(image_size=28, attention_resolutions=(), channel_mult=(1, 2), random_flip=False,
+                      data_path=None, logdir=str(tmp_path / "run"), batch_size=12, lr=3e-4)
+    path = tmp_path / "flags.cfg"
+    path.write_text(to_flagfile(cfg))
+    flag_values = flags.FlagValues()
+    define_flags(flag_values)
+    flag_values(["train", f"--flagfile={path}"])
+    parsed, images = config_from_flags(flag_values)
+    assert parsed == cfg and images.shape == (10000, 28, 28, 1)

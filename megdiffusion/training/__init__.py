@@ -1,0 +1,1 @@
+"""Training: config (``TrainConfig``), ``Trainer`` and the loop, checkpoints, distributed launch, logging."""
