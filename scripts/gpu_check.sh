@@ -26,6 +26,7 @@ train(cfg, images, progress=False, use_launcher=True)
 with open(f"{sys.argv[1]}/metrics.jsonl") as f:
     metrics = [json.loads(line) for line in f]
 speed = statistics.median(m["images_per_s"] for m in metrics[10:])
-print(json.dumps({"check": "1-gpu launcher run", "steps": metrics[-1]["step"], "final_loss": metrics[-1]["loss"],
-                  "images_per_s": round(speed, 1), "batch_size": cfg.batch_size, "image_size": cfg.image_size}))
+print(json.dumps({"check": "1-gpu launcher run", "steps": metrics[-1]["step"],
+                  "final_loss": metrics[-1]["loss"], "images_per_s": round(speed, 1),
+                  "batch_size": cfg.batch_size, "image_size": cfg.image_size}))
 PYEOF

@@ -79,15 +79,16 @@ def test_exact_resume_in_a_new_process(tmp_path, npz_data):
     for index, state in a["optimizer"]["state"].items():
         for name, value in state.items():
             np.testing.assert_array_equal(value, b["optimizer"]["state"][index][name])
-    losses = [json.loads(line)["loss"] for line in (split / "metrics.jsonl").read_text().splitlines()]
-    straight_losses = [json.loads(line)["loss"] for line in (straight / "metrics.jsonl").read_text().splitlines()]
-    assert losses == straight_losses
+    def losses(logdir):
+        return [json.loads(line)["loss"] for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+
+    assert losses(split) == losses(straight)
 
 
 def test_sigterm_saves_a_loadable_checkpoint(tmp_path, npz_data):
     logdir = tmp_path / "run"
-    args = ["--dataset=npz", f"--data_path={npz_data}", *TINY_MODEL, "--batch_size=8", "--total_steps=100000",
-            "--sample_every=0", "--save_every=0", "--log_every=1", f"--logdir={logdir}"]
+    args = ["--dataset=npz", f"--data_path={npz_data}", *TINY_MODEL, "--batch_size=8",
+            "--total_steps=100000", "--sample_every=0", "--save_every=0", "--log_every=1", f"--logdir={logdir}"]
     proc = subprocess.Popen([sys.executable, "-m", "megdiffusion.scripts.train", *args], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = logdir / "metrics.jsonl"

@@ -17,7 +17,7 @@ import tempfile
 import numpy as np
 from tqdm import tqdm
 
-from megdiffusion.images import make_grid, save_png, to_uint8
+from megdiffusion.images import make_grid, to_uint8
 from megdiffusion.training.config import to_flagfile, to_json
 
 
