@@ -64,8 +64,8 @@ def _write_archive(path, state, monkeypatch):
     Tensors are stored as views into shared storages with offsets and non-trivial strides.
     """
     torch_mod, utils_mod, net_cls = _fake_torch_modules(monkeypatch)
-    storage_types = {np.dtype(np.float32): torch_mod.FloatStorage, np.dtype(np.float64): torch_mod.DoubleStorage,
-                     np.dtype(np.int64): torch_mod.LongStorage}
+    storage_types = {np.dtype(np.float32): torch_mod.FloatStorage,
+                     np.dtype(np.float64): torch_mod.DoubleStorage, np.dtype(np.int64): torch_mod.LongStorage}
     storages = {}
 
     class Tensor:
@@ -110,13 +110,15 @@ def test_reader_round_trips_every_tensor(tmp_path, monkeypatch):
     state = {
         "weight": rng.normal(size=(4, 3, 2, 2)).astype(np.float32),
         "stride": 2,
-        "sub": {"mean": rng.normal(size=5).astype(np.float64), "count": np.arange(6, dtype=np.int64).reshape(2, 3),
+        "sub": {"mean": rng.normal(size=5).astype(np.float64),
+                "count": np.arange(6, dtype=np.int64).reshape(2, 3),
                 "deeper": {"var": rng.uniform(size=(3, 1)).astype(np.float32)}},
     }
     path = tmp_path / "tiny.pt"
     _write_archive(path, state, monkeypatch)
     tensors = inception.read_torch_archive(str(path))
-    expected = {"weight": state["weight"], "sub.mean": state["sub"]["mean"], "sub.count": state["sub"]["count"],
+    expected = {"weight": state["weight"], "sub.mean": state["sub"]["mean"],
+                "sub.count": state["sub"]["count"],
                 "sub.deeper.var": state["sub"]["deeper"]["var"]}
     assert list(tensors) == list(expected)
     for name, array in expected.items():
@@ -173,7 +175,8 @@ def _fixture_inputs(reference):
     from megdiffusion.data.datasets import load_dataset
 
     digits = load_dataset("fashion_mnist")[reference["fashion_mnist_indices"]]
-    noise = np.random.default_rng(int(reference["noise_seed"])).integers(0, 256, (1, 299, 299, 3), dtype=np.uint8)
+    rng = np.random.default_rng(int(reference["noise_seed"]))
+    noise = rng.integers(0, 256, (1, 299, 299, 3), dtype=np.uint8)
     return np.concatenate([preprocess(digits), preprocess(noise)])
 
 
@@ -187,3 +190,12 @@ def test_features_match_torchscript(fast_cpu, isolated_cache):
     relative = np.abs(features - expected).max() / np.abs(expected).max()
     assert relative < 1e-4, relative
     np.testing.assert_allclose(features, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def test_reader_refuses_tensors_outside_their_storage():
+    storage = np.arange(4, dtype=np.float32)
+    np.testing.assert_array_equal(inception._rebuild_tensor(storage, 1, (3,), (1,)), [1, 2, 3])
+    with pytest.raises(pickle.UnpicklingError, match="past its storage"):
+        inception._rebuild_tensor(storage, 2, (3,), (1,))
+    with pytest.raises(pickle.UnpicklingError, match="bad tensor layout"):
+        inception._rebuild_tensor(storage, 0, (2,), (-1,))

