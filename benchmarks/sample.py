@@ -1,0 +1,88 @@
+"""Seconds per image of DDPM-1000 and DDIM-50/100 side by side, and eager vs jit-traced denoising steps.
+
+    .venv/bin/python benchmarks/sample.py [--config configs/fashion_mnist_cpu.cfg] [--batch_size 16]
+
+Prints one JSON line per measurement. Weights are freshly initialised: speed does not depend on them.
+"""
+import argparse
+import json
+import time
+
+import numpy as np
+
+from megdiffusion.compat import quiet_megengine
+
+mge = quiet_megengine()
+from megengine import jit  # noqa: E402
+
+from megdiffusion.training.config import TrainConfig, build_diffusion, build_model  # noqa: E402
+
+
+def config_from_flagfile(path):
+    """The model/diffusion fields of a train flagfile (``--name=value`` lines) as a TrainConfig."""
+    values = {}
+    for line in open(path):
+        line = line.strip()
+        if line.startswith("--") and "=" in line:
+            name, value = line[2:].split("=", 1)
+            values[name] = value
+    cfg = TrainConfig()
+    types = {"model_channels": int, "num_res_blocks": int, "num_timesteps": int, "dropout": float}
+    changes = {k: t(values[k]) for k, t in types.items() if k in values}
+    for name in ("channel_mult", "attention_resolutions"):
+        if name in values:
+            changes[name] = tuple(int(v) for v in values[name].split(",") if v)
+    for name in ("beta_schedule", "mean_type", "var_type"):
+        if name in values:
+            changes[name] = values[name]
+    return cfg.replace(**changes)
+
+
+def time_steps(fn, x, t, repeats):
+    fn(x, t).numpy()  # warm-up (and trace compilation)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn(x, t).numpy()
+    return (time.perf_counter() - start) / repeats
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/fashion_mnist_cpu.cfg")
+    parser.add_argument("--image_size", type=int, default=28)
+    parser.add_argument("--channels", type=int, default=1)
+    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+
+    cfg = config_from_flagfile(args.config).replace(image_size=args.image_size, image_channels=args.channels)
+    model, diffusion = build_model(cfg), build_diffusion(cfg)
+    model.eval()
+    shape = (args.batch_size, args.channels, args.image_size, args.image_size)
+    x = mge.tensor(np.random.default_rng(0).standard_normal(shape).astype(np.float32))
+    t = mge.tensor(np.full((args.batch_size,), 500, np.int32))
+
+    # One denoising network call: eager vs traced, alternating so that machine load affects both alike.
+    traced = jit.trace(lambda x, t: model(x, t), symbolic=True, capture_as_const=True)
+    eager_s, traced_s = [], []
+    for _ in range(2):
+        eager_s.append(time_steps(model, x, t, args.repeats))
+        traced_s.append(time_steps(traced, x, t, args.repeats))
+    for mode, seconds in (("eager", min(eager_s)), ("traced", min(traced_s))):
+        print(json.dumps({"benchmark": "denoise_step", "mode": mode, "batch_size": args.batch_size,
+                          "seconds_per_step": round(seconds, 5)}), flush=True)
+    print(json.dumps({"benchmark": "denoise_step", "traced_speedup": round(min(eager_s) / min(traced_s), 3)}))
+
+    # Whole samplers, one after the other in this run.
+    seeds = list(range(args.batch_size))
+    for sampler, steps in (("ddim", 50), ("ddim", 100), ("ddpm", cfg.num_timesteps)):
+        start = time.perf_counter()
+        diffusion.sample(model, shape, sampler=sampler, steps=steps, seeds=seeds).numpy()
+        seconds = time.perf_counter() - start
+        print(json.dumps({"benchmark": "sample", "sampler": f"{sampler}-{steps}", "batch_size": args.batch_size,
+                          "image_size": args.image_size, "seconds_per_image": round(seconds / args.batch_size, 4),
+                          "images_per_s": round(args.batch_size / seconds, 3)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
