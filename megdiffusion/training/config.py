@@ -58,6 +58,11 @@ class TrainConfig:
     sample_sampler: str = _flag("ddim", "Sampler for the grids: ddpm or ddim.")
     sample_steps: int = _flag(50, "Sampling steps for the grids.")
     resume: bool = _flag(False, "Continue from the newest loadable checkpoint in logdir.")
+    time_limit_minutes: float = _flag(0.0, "Stop with a checkpoint after this many minutes of training in "
+                                      "this process (0: no limit); --resume continues later.")
+    fid_every: int = _flag(0, "Score the EMA model with FID every this many steps (0: never); samples with "
+                           "--sample_sampler/--sample_steps, reference stats cached in the logdir.")
+    fid_num_images: int = _flag(1000, "Samples per FID evaluation during training.")
     # Devices
     device: str = _flag("auto", "auto, cpu or gpu.")
     num_gpus: int = _flag(1, "GPUs on this machine; more than 1 launches one process per GPU.")
@@ -130,9 +135,12 @@ def validate(cfg):
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
-    for name in ["seed", "warmup_steps", "save_every", "sample_every", "rank_start", "port"]:
+    for name in ["seed", "warmup_steps", "save_every", "sample_every", "rank_start", "port", "fid_every",
+                 "time_limit_minutes"]:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.fid_every and cfg.fid_num_images < 2:
+        raise ConfigError(f"--fid_num_images must be at least 2 (a covariance), got {cfg.fid_num_images}")
     if cfg.lr <= 0 or cfg.grad_clip < 0:
         raise ConfigError("--lr must be > 0 and --grad_clip >= 0 (0 disables clipping)")
     if not 0.0 <= cfg.ema_decay < 1.0:

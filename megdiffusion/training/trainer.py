@@ -5,6 +5,7 @@ Randomness without saved generator state: step ``k`` of rank ``r`` draws its tim
 stream; the data order is a function of (seed, epoch). A checkpoint therefore only needs the step
 count and the loader position to continue bit for bit.
 """
+import os
 import signal
 import time
 
@@ -171,8 +172,9 @@ class TrainingRun:
         self.stop_signal = signum
 
     def run(self):
-        """Train until ``total_steps`` (or a signal); save a final checkpoint. Returns the step reached."""
+        """Train until ``total_steps``, a signal or the time limit; save a final checkpoint. Returns the step."""
         cfg = self.cfg
+        self.deadline = time.monotonic() + 60 * cfg.time_limit_minutes if cfg.time_limit_minutes > 0 else None
         resumed_from = self.resume() if cfg.resume else None
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         if self.writes:
@@ -190,7 +192,8 @@ class TrainingRun:
 
     def _loop(self):
         cfg = self.cfg
-        while self.trainer.step_count < cfg.total_steps and self.stop_signal is None:
+        while (self.trainer.step_count < cfg.total_steps and self.stop_signal is None
+               and (self.deadline is None or time.monotonic() < self.deadline)):
             start = time.perf_counter()
             metrics = self.trainer.step(self.loader.next_batch())
             metrics["images_per_s"] = cfg.batch_size / (time.perf_counter() - start)
@@ -209,6 +212,8 @@ class TrainingRun:
                 self.logger.write_metrics(step, metrics)
             if cfg.sample_every and (step % cfg.sample_every == 0 or step == cfg.total_steps):
                 self.save_grid()
+            if cfg.fid_every and (step % cfg.fid_every == 0 or step == cfg.total_steps):
+                self.evaluate_fid()
         if cfg.save_every and step % cfg.save_every == 0:
             self.save()
 
@@ -218,6 +223,20 @@ class TrainingRun:
         grid = sample_grid(self.trainer.ema, self.trainer.diffusion, self.cfg)
         save_png(grid_path(self.cfg.logdir, step), grid)
         self.logger.add_grid(step, grid)
+
+
+    def evaluate_fid(self):
+        """FID of ``fid_num_images`` EMA samples against the training images' statistics (cached in the
+        logdir as ``fid_reference.npz``), written to metrics.jsonl as ``fid``."""
+        from megdiffusion.evaluate import model_fid, reference_statistics
+
+        cfg = self.cfg
+        reference = reference_statistics(self.loader.images, os.path.join(cfg.logdir, "fid_reference.npz"))
+        shape = (cfg.image_channels, cfg.image_size, cfg.image_size)
+        value, _ = model_fid(self.trainer.ema, self.trainer.diffusion, shape, reference, cfg.fid_num_images,
+                             cfg.seed, cfg.sample_sampler, cfg.sample_steps)
+        self.logger.write_metrics(self.trainer.step_count, {"fid": value, "fid_num_images": cfg.fid_num_images})
+        self.logger.message(f"step {self.trainer.step_count}: FID {value:.2f} ({cfg.fid_num_images} EMA samples)")
 
 
 def _worker(cfg, images=None, progress=True):

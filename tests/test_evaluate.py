@@ -1,0 +1,48 @@
+"""Training-time FID and the time limit, on a tiny run."""
+import json
+
+import numpy as np
+import pytest
+
+from megdiffusion import evaluate
+from megdiffusion.compat import quiet_megengine
+from megdiffusion.metrics import fid
+from megdiffusion.training import checkpoint as ckpt
+from megdiffusion.training.config import TrainConfig
+from megdiffusion.training.trainer import TrainingRun
+
+quiet_megengine()
+
+
+def tiny_config(logdir, **changes):
+    values = dict(image_size=8, image_channels=1, model_channels=32, channel_mult=(1,), num_res_blocks=1,
+                  attention_resolutions=(), dropout=0.0, num_timesteps=40, batch_size=8, warmup_steps=0,
+                  total_steps=2, sample_every=0, save_every=0, sample_steps=3, logdir=str(logdir))
+    values.update(changes)
+    return TrainConfig(**values)
+
+
+IMAGES = np.random.default_rng(0).integers(0, 256, size=(16, 8, 8, 1), dtype=np.uint8)
+
+
+def test_fid_every_writes_fid_to_metrics_and_caches_the_reference(tmp_path, monkeypatch):
+    cfg = tiny_config(tmp_path, fid_every=2, fid_num_images=4)
+    TrainingRun(cfg, IMAGES, progress=False).run()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    scored = [r for r in records if "fid" in r]
+    assert [r["step"] for r in scored] == [2] and scored[0]["fid_num_images"] == 4
+    assert np.isfinite(scored[0]["fid"]) and scored[0]["fid"] > 0
+    mu, sigma = fid.load_statistics(tmp_path / "fid_reference.npz")
+    assert mu.shape == (2048,) and sigma.shape == (2048, 2048)
+
+    # The cached reference is reused: computing it again would fail here.
+    monkeypatch.setattr(fid, "statistics_of_images", lambda *a, **k: pytest.fail("recomputed"))
+    again = evaluate.reference_statistics(IMAGES, tmp_path / "fid_reference.npz")
+    np.testing.assert_array_equal(again[1], sigma)
+
+
+def test_time_limit_stops_early_with_a_checkpoint(tmp_path):
+    cfg = tiny_config(tmp_path, total_steps=100000, time_limit_minutes=0.5 / 60)
+    reached = TrainingRun(cfg, IMAGES, progress=False).run()
+    assert 1 <= reached < cfg.total_steps
+    assert ckpt.list_checkpoints(str(tmp_path))[-1].endswith(f"ckpt_{reached:07d}.pkl")
