@@ -7,7 +7,8 @@ Times ``Trainer.step`` (training loss, GradManager backward, clip_grad_norm, Ada
 
 The two paths alternate (native, fast, native, fast, ...) so that machine load hits both alike. Prints one
 JSON line per measurement, then per model a summary line with the median images/s of each path and
-their ratio (fast / native).
+their ratio (fast / native); ``cpu_seconds_ratio`` compares the CPU time of a step (all threads),
+which is steadier than wall time on a loaded machine.
 
     python benchmarks/train_step.py                       # both models, 2 rounds, 1 step per measurement
     python benchmarks/train_step.py --models cpu --rounds 3 --steps 2
@@ -55,10 +56,11 @@ def cifar_shaped(batch_size, num_res_blocks):
 
 
 def measure(trainer, x0, steps):
-    start = time.perf_counter()
+    """Wall seconds and CPU seconds (all threads of this process) of ``steps`` training steps."""
+    start, start_cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         trainer.step(x0)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - start_cpu
 
 
 def run(name, cfg, x0, rounds, steps):
@@ -67,18 +69,22 @@ def run(name, cfg, x0, rounds, steps):
         set_fast_conv(fast)
         trainer.step(x0)
     rates = {"native": [], "fast": []}
+    cpu_seconds = {"native": [], "fast": []}
     for round_index in range(rounds):
         for fast in (False, True):
             set_fast_conv(fast)
             path = "fast" if fast else "native"
-            seconds = measure(trainer, x0, steps)
+            seconds, cpu = measure(trainer, x0, steps)
             rates[path].append(steps * len(x0) / seconds)
+            cpu_seconds[path].append(cpu / steps)
             print(json.dumps({"model": name, "path": path, "round": round_index, "steps": steps,
-                              "batch": len(x0), "seconds": round(seconds, 3),
+                              "batch": len(x0), "seconds": round(seconds, 3), "cpu_seconds": round(cpu, 3),
                               "images_per_s": round(rates[path][-1], 3)}), flush=True)
     native, fast = statistics.median(rates["native"]), statistics.median(rates["fast"])
+    cpu_ratio = statistics.median(cpu_seconds["native"]) / statistics.median(cpu_seconds["fast"])
     print(json.dumps({"model": name, "summary": True, "native_images_per_s": round(native, 3),
                       "fast_images_per_s": round(fast, 3), "ratio": round(fast / native, 2),
+                      "cpu_seconds_ratio": round(cpu_ratio, 2), "cpus": os.cpu_count(),
                       "image_size": cfg.image_size, "channels": cfg.image_channels,
                       "model_channels": cfg.model_channels, "channel_mult": list(cfg.channel_mult),
                       "num_res_blocks": cfg.num_res_blocks,

@@ -107,6 +107,20 @@ def test_unsupported_configs_fall_back_to_native(kwargs, weight_grad_calls):
         np.testing.assert_array_equal(fast, native)
 
 
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_traced_functions_use_native_kernels(symbolic):
+    from megengine import jit
+
+    set_fast_conv(True)
+    rng = np.random.default_rng(6)
+    conv = Conv2d(2, 3, 3, padding=1)
+    traced = jit.trace(lambda x: conv(x), symbolic=symbolic, capture_as_const=True)
+    for _ in range(3):  # a frozen numpy result would repeat the first output
+        x = rng.standard_normal((2, 2, 6, 6)).astype("float32")
+        expected = F.conv2d(megengine.tensor(x), conv.weight, conv.bias, padding=1).numpy()
+        np.testing.assert_array_equal(traced(megengine.tensor(x)).numpy(), expected)
+
+
 def test_switching_takes_effect_on_next_forward(weight_grad_calls, monkeypatch):
     rng = np.random.default_rng(3)
     conv = Conv2d(2, 2, 3, padding=1)

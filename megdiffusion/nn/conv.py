@@ -17,7 +17,7 @@ The path is chosen per forward call: ``set_fast_conv(True/False/None)``; ``None`
 on CPU-only machines and MegEngine's native kernels when CUDA is available (cuDNN is fine).
 The environment variable ``MEGDIFFUSION_FAST_CONV=0/1`` sets the default at import.
 Only float32 inputs with dilation 1, groups 1, zero padding and cross-correlation take the fast
-path; other configurations always use the native kernels. Parameters and checkpoints are those of
+path, and never inside ``megengine.jit.trace``; everything else uses the native kernels. Parameters and checkpoints are those of
 ``megengine.module.Conv2d`` on both paths.
 """
 import os
@@ -28,6 +28,7 @@ from numpy.lib.stride_tricks import as_strided
 import megengine
 import megengine.module as M
 from megengine.autodiff import Function
+from megengine.jit.tracing import is_tracing
 
 from megdiffusion.compat import cuda_available
 
@@ -189,7 +190,8 @@ class Conv2d(M.Conv2d):
                 and self.conv_mode == "cross_correlation" and self.compute_mode == "default")
 
     def forward(self, inp):
-        if not (fast_conv_enabled() and self._fast_path_supported(inp)):
+        # Under jit.trace the numpy route cannot be recorded (it would freeze its output as a constant).
+        if is_tracing() or not (fast_conv_enabled() and self._fast_path_supported(inp)):
             return self.calc_conv(inp, self.weight, self.bias)
         function = _FastConv2d(tuple(self.stride), tuple(self.padding))
         if self.bias is None:
