@@ -93,7 +93,8 @@ class UNet(M.Module):
     ``forward(x, t)``: x float32 (N, in_channels, image_size, image_size), t (N,) integer timesteps of the
     original chain; returns (N, out_channels, image_size, image_size), ``out_channels`` defaulting to
     ``in_channels``. Attention is used at the resolutions in ``attention_resolutions`` and always in the
-    middle block.
+    middle block. The time embedding is added per channel before a GroupNorm(32), so it only reaches
+    the output through levels with more than 32 channels (model_channels * mult >= 64).
     """
 
     def __init__(

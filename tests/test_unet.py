@@ -1,0 +1,213 @@
+"""UNet: parameter counts, init, layers against numpy references, config checks, a tiny train step."""
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megdiffusion.compat import assign_, quiet_megengine
+
+mge = quiet_megengine()
+import megengine.functional as F  # noqa: E402
+from megengine.autodiff import GradManager  # noqa: E402
+from megengine.optimizer import Adam  # noqa: E402
+
+from megdiffusion.nn import UNet  # noqa: E402
+from megdiffusion.nn.layers import AttnBlock, timestep_embedding  # noqa: E402
+
+# 64 channels at the second level: with 32 channels in 32 groups, GroupNorm removes the per-channel
+# time-embedding shift, and such a UNet would ignore t.
+TINY = dict(in_channels=1, model_channels=32, channel_mult=(1, 2), num_res_blocks=1,
+            attention_resolutions=(4,), dropout=0.1, image_size=8)
+
+
+def expected_parameters(in_ch, ch, mult, num_res_blocks, attn_res, image_size, out_ch=None):
+    """Parameter count of Ho's UNet, by hand: conv k*k*i*o + o, linear i*o + o, GroupNorm 2c."""
+    conv = lambda i, o, k=3: k * k * i * o + o  # noqa: E731
+    norm = lambda c: 2 * c  # noqa: E731
+    temb = 4 * ch
+
+    def res(i, o):
+        return norm(i) + conv(i, o) + (temb * o + o) + norm(o) + conv(o, o) + (conv(i, o, 1) if i != o else 0)
+
+    def attn(c):
+        return norm(c) + 4 * conv(c, c, 1)
+
+    total = (ch * temb + temb) + (temb * temb + temb) + conv(in_ch, ch)
+    skips, cur = [ch], ch
+    for level, m in enumerate(mult):
+        for _ in range(num_res_blocks):
+            total += res(cur, ch * m) + (attn(ch * m) if image_size >> level in attn_res else 0)
+            cur = ch * m
+            skips.append(cur)
+        if level < len(mult) - 1:
+            total += conv(cur, cur)
+            skips.append(cur)
+    total += 2 * res(cur, cur) + attn(cur)
+    for level in reversed(range(len(mult))):
+        for _ in range(num_res_blocks + 1):
+            total += res(cur + skips.pop(), ch * mult[level])
+            cur = ch * mult[level]
+            total += attn(cur) if image_size >> level in attn_res else 0
+        if level > 0:
+            total += conv(cur, cur)
+    return total + norm(cur) + conv(cur, out_ch or in_ch)
+
+
+def count(model):
+    return sum(int(np.prod(p.shape)) for p in model.parameters())
+
+
+def test_cifar10_config_has_the_paper_parameter_count():
+    model = UNet()  # the defaults are the paper's CIFAR-10 config
+    assert count(model) == 35_746_307
+    assert expected_parameters(3, 128, (1, 2, 2, 2), 2, (16,), 32) == 35_746_307
+
+
+def test_256_config_parameter_count():
+    # Constructing it takes a few seconds; no forward pass on 256x256 inputs.
+    model = UNet(channel_mult=(1, 1, 2, 2, 4, 4), image_size=256)
+    expected = expected_parameters(3, 128, (1, 1, 2, 2, 4, 4), 2, (16,), 256)
+    assert count(model) == expected
+    assert 113.5e6 < expected < 114.5e6  # the paper's "114M"
+
+
+def test_state_dict_holds_only_parameters():
+    model = UNet(**TINY)
+    names = [name for name, _ in model.named_parameters()]
+    assert sorted(model.state_dict()) == sorted(names)  # no embedding table or other buffer
+    assert not list(model.buffers())
+
+
+def test_timestep_embedding_is_hos_formula():
+    t = np.array([0, 1, 17, 999])
+    dim = 8
+    half = dim // 2
+    freqs = [math.exp(-math.log(10000) * i / (half - 1)) for i in range(half)]
+    expected = np.array([[math.sin(s * f) for f in freqs] + [math.cos(s * f) for f in freqs] for s in t])
+    got = timestep_embedding(mge.Tensor(t, dtype="int32"), dim).numpy()
+    np.testing.assert_allclose(got, expected, atol=2e-4)
+
+
+def test_init_follows_ho():
+    model = UNet(**TINY)
+    params = dict(model.named_parameters())
+    near_zero = [n for n in params if n.endswith("conv2.weight") or "proj_out.weight" in n
+                 or n == "conv_out.weight"]
+    assert len(near_zero) == 8 + 4 + 1  # 8 residual blocks, 4 attention blocks, the output conv
+    for name, p in params.items():
+        w = p.numpy()
+        if name.endswith("bias") and "norm" not in name:
+            assert not w.any(), name
+        elif name in near_zero:
+            assert np.abs(w).max() < 1e-4, name
+        elif "norm" in name:
+            assert np.all(w == (1.0 if name.endswith("weight") else 0.0)), name
+        else:
+            fan_in, fan_out = w[0].size, w.shape[0] * w[0, 0].size
+            bound = math.sqrt(6.0 / (fan_in + fan_out))  # Xavier-uniform
+            assert np.abs(w).max() <= bound * (1 + 1e-6), name
+            assert np.abs(w).max() > 0.5 * bound, name
+    norms = [m for m in model.modules() if type(m).__name__ == "GroupNorm"]
+    assert norms and all(m.num_groups == 32 and m.eps == 1e-6 for m in norms)
+
+
+def test_attention_matches_numpy():
+    rng = np.random.default_rng(0)
+    block = AttnBlock(64)
+    for conv in (block.q, block.k, block.v, block.proj_out):
+        assign_(conv.weight, mge.Tensor(rng.standard_normal(conv.weight.shape).astype(np.float32) * 0.2))
+        assign_(conv.bias, mge.Tensor(rng.standard_normal(conv.bias.shape).astype(np.float32) * 0.2))
+    x = rng.standard_normal((2, 64, 3, 4)).astype(np.float32)
+    got = block(mge.Tensor(x)).numpy()
+
+    g = x.reshape(2, 32, 2 * 12)  # GroupNorm(32) over 64 channels: two channels per group
+    h = ((g - g.mean(axis=2, keepdims=True)) / np.sqrt(g.var(axis=2, keepdims=True) + 1e-6))
+    h = h.reshape(2, 64, 12)  # gamma 1, beta 0
+
+    def proj(conv, a):  # a 1x1 convolution over (N, C, positions)
+        return np.einsum("oc,ncp->nop", conv.weight.numpy()[:, :, 0, 0], a) + conv.bias.numpy()[:, :, 0]
+
+    q, k, v = proj(block.q, h), proj(block.k, h), proj(block.v, h)
+    logits = np.einsum("ncp,ncs->nps", q, k) / math.sqrt(64)
+    w = np.exp(logits - logits.max(axis=2, keepdims=True))
+    w /= w.sum(axis=2, keepdims=True)
+    expected = x + proj(block.proj_out, np.einsum("nps,ncs->ncp", w, v)).reshape(x.shape)
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(image_size=30), "divisible by"),
+        (dict(attention_resolutions=(16, 3)), "never occur"),
+        (dict(model_channels=48), "multiples of 32"),
+        (dict(channel_mult=()), "at least one"),
+    ],
+)
+def test_bad_config_raises(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        UNet(**kwargs)
+
+
+def test_forward_rejects_other_image_sizes():
+    model = UNet(**TINY)
+    with pytest.raises(ValueError, match="8x8"):
+        model(mge.Tensor(np.zeros((1, 1, 16, 16), np.float32)), mge.Tensor([0], dtype="int32"))
+
+
+def test_tiny_forward_backward_learns():
+    mge.random.seed(0)
+    model = UNet(**{**TINY, "out_channels": 2})
+    rng = np.random.default_rng(0)
+    x = mge.Tensor(rng.standard_normal((4, 1, 8, 8)).astype(np.float32))
+    t = mge.Tensor([0, 10, 500, 999], dtype="int32")
+    target = mge.Tensor(rng.standard_normal((4, 2, 8, 8)).astype(np.float32))
+    params = list(model.parameters())
+    gm = GradManager().attach(params)
+    opt = Adam(params, lr=1e-3)
+    losses = []
+    for _ in range(5):
+        with gm:
+            out = model(x, t)
+            assert out.shape == (4, 2, 8, 8)
+            loss = ((out - target) ** 2).mean()
+            gm.backward(loss)
+        assert all(p.grad is not None and np.isfinite(p.grad.numpy()).all() for p in params)
+        opt.step().clear_grad()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] - 0.01
+
+
+def test_timesteps_change_the_output():
+    mge.random.seed(1)
+    model = UNet(**TINY)
+    model.eval()
+    for name, p in model.named_parameters():  # undo the near-zero init, through which t acts
+        if name.endswith(("conv2.weight", "proj_out.weight", "conv_out.weight")):
+            assign_(p, p * 1e5)
+    x = mge.Tensor(np.ones((2, 1, 8, 8), np.float32))
+    out = model(x, mge.Tensor([3, 700], dtype="int32")).numpy()
+    assert np.abs(out[0] - out[1]).max() > 1e-3
+
+
+_ORDER_SCRIPT = (
+    "from megdiffusion.compat import quiet_megengine; quiet_megengine()\n"
+    "from megdiffusion.nn import UNet\n"
+    "m = UNet(in_channels=1, model_channels=32, channel_mult=(1, 2), num_res_blocks=2,"
+    " attention_resolutions=(4, 8), image_size=8)\n"
+    "print('\\n'.join(f'{n} {tuple(p.shape)}' for n, p in m.named_parameters()))\n"
+)
+
+
+def test_parameter_order_does_not_depend_on_hash_seed():
+    outputs = []
+    for seed in ("0", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        run = subprocess.run([sys.executable, "-c", _ORDER_SCRIPT], env=env, capture_output=True, text=True,
+                             check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        outputs.append(run.stdout.splitlines())
+    assert outputs[0] == outputs[1]
+    assert len(outputs[0]) > 50
