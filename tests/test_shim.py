@@ -1,0 +1,85 @@
+"""The nearest-2x upsample shim, and the MegEngine 1.9 scenario it exists for (train step, clip, forward)."""
+import numpy as np
+import pytest
+
+from megdiffusion.compat import quiet_megengine, upsample_nearest_2x
+
+mge = quiet_megengine()
+import megengine.functional as F  # noqa: E402
+import megengine.module as M  # noqa: E402
+from megengine.autodiff import GradManager  # noqa: E402
+from megengine.optimizer import Adam, clip_grad_norm  # noqa: E402
+
+from megdiffusion.nn import UNet  # noqa: E402
+from megdiffusion.nn.conv import Conv2d  # noqa: E402
+
+
+@pytest.fixture
+def synchronous():
+    """The seed bug showed with async_level = 0 (shape inference checked eagerly); restore after."""
+    old = mge.config.async_level
+    mge.config.async_level = 0
+    yield
+    mge.config.async_level = old
+
+
+def test_upsample_nearest_2x_repeats_pixels():
+    x = np.arange(2 * 3 * 2 * 3, dtype=np.float32).reshape(2, 3, 2, 3)
+    out = upsample_nearest_2x(mge.Tensor(x))
+    assert out.shape == (2, 3, 4, 6)
+    np.testing.assert_array_equal(out.numpy(), x.repeat(2, axis=2).repeat(2, axis=3))
+
+
+class SeedModel(M.Module):
+    """The seed bug's minimal model: conv -> nearest interpolate -> conv."""
+
+    def __init__(self, resize):
+        super().__init__()
+        self.conv1 = Conv2d(2, 4, 3, padding=1)
+        self.conv2 = Conv2d(4, 2, 3, padding=1)
+        self.resize = resize
+
+    def forward(self, x):
+        return self.conv2(self.resize(self.conv1(x)))
+
+
+def train_step_then_forward(model, inputs, loss_fn):
+    """backward, clip_grad_norm, Adam step, then the forward pass that used to fail."""
+    params = list(model.parameters())
+    gm = GradManager().attach(params)
+    opt = Adam(params, lr=1e-3)
+    before = [p.numpy().copy() for p in params]
+    with gm:
+        loss = loss_fn(model(*inputs)) + 0
+        gm.backward(loss)
+    norm = float(clip_grad_norm(params, max_norm=1e-3))
+    opt.step().clear_grad()
+    assert norm > 0
+    assert any(np.abs(p.numpy() - b).max() > 0 for p, b in zip(params, before))
+    return model(*inputs)
+
+
+@pytest.mark.parametrize(
+    "resize",
+    [lambda x: F.nn.interpolate(x, scale_factor=1, mode="nearest"), upsample_nearest_2x],
+    ids=["interpolate_scale1", "shim"],
+)
+def test_seed_scenario(synchronous, resize):
+    rng = np.random.default_rng(0)
+    x = mge.Tensor(rng.standard_normal((2, 2, 6, 6)).astype(np.float32))
+    out = train_step_then_forward(SeedModel(resize), [x], lambda y: y.mean())
+    scale = 1 if resize is not upsample_nearest_2x else 2
+    assert out.shape == (2, 2, 6 * scale, 6 * scale)
+    assert np.isfinite(out.numpy()).all()
+
+
+def test_unet_train_step_with_clipping_then_forward(synchronous):
+    mge.random.seed(0)
+    model = UNet(in_channels=1, model_channels=32, channel_mult=(1, 2), num_res_blocks=1,
+                 attention_resolutions=(4,), dropout=0.1, image_size=8)
+    rng = np.random.default_rng(0)
+    x = mge.Tensor(rng.standard_normal((2, 1, 8, 8)).astype(np.float32))
+    t = mge.Tensor([1, 900], dtype="int32")
+    out = train_step_then_forward(model, [x, t], lambda y: (y ** 2).mean())
+    assert out.shape == (2, 1, 8, 8)
+    assert np.isfinite(out.numpy()).all()
