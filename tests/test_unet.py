@@ -10,7 +10,6 @@ import pytest
 from megdiffusion.compat import assign_, quiet_megengine
 
 mge = quiet_megengine()
-import megengine.functional as F  # noqa: E402
 from megengine.autodiff import GradManager  # noqa: E402
 from megengine.optimizer import Adam  # noqa: E402
 
