@@ -30,6 +30,7 @@ setup(
             "megdiffusion-train=megdiffusion.scripts.train:run",
             "megdiffusion-sample=megdiffusion.scripts.sample:run",
             "megdiffusion-fid=megdiffusion.scripts.fid:run",
+            "megdiffusion-demo=megdiffusion.scripts.demo:run",
         ]
     },
 )

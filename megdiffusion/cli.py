@@ -1,6 +1,8 @@
-"""What the command-line scripts share: one-line errors with exit code 2."""
+"""What the command-line scripts share: one-line errors with exit code 2, for bad flags too."""
 import contextlib
 import sys
+
+from absl import flags
 
 
 class UsageError(ValueError):
@@ -20,3 +22,17 @@ def one_line_errors(*error_types):
         yield
     except (UsageError,) + tuple(error_types) as exc:
         fail(str(exc))
+
+
+def parse_flags(argv):
+    """absl's flag parsing for ``app.run(..., flags_parser=parse_flags)``: a bad flag is one line, exit 2."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as err:
+        fail(err)
+
+
+def reject_arguments(argv):
+    """Fail in one line when a script that takes only flags got positional arguments."""
+    if len(argv) > 1:
+        fail(f"unexpected arguments {argv[1:]}; flags look like --name=value")

@@ -124,7 +124,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message
     result = train(*args, f"--logdir={logdir}")
     assert result.returncode == 2, result.stderr
     lines = error_lines(result.stderr)
-    assert len(lines) == 1 and lines[0].startswith("train: error:") and message in lines[0], result.stderr
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
     assert not logdir.exists()
 
 

@@ -9,6 +9,7 @@ import os
 
 from absl import app, flags
 
+from megdiffusion.cli import parse_flags
 from megdiffusion.compat import quiet_megengine
 
 FLAGS = flags.FLAGS
@@ -84,7 +85,7 @@ def main(argv):
 
 
 def run():
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

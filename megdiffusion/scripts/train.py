@@ -10,6 +10,7 @@ import sys
 
 from absl import app, flags
 
+from megdiffusion.cli import fail, parse_flags, reject_arguments
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.training.config import define_flags
 
@@ -19,15 +20,8 @@ PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_FLAGFILE = os.path.join(PACKAGE_DIR, "configs", "fashion_mnist_cpu.cfg")
 
 
-def fail(message, code=2):
-    """Print ``train: error: message`` on stderr and exit."""
-    print(f"train: error: {message}", file=sys.stderr)
-    sys.exit(code)
-
-
 def main(argv):
-    if len(argv) > 1:
-        fail(f"unexpected arguments {argv[1:]}; flags look like --name=value")
+    reject_arguments(argv)
     quiet_megengine()
     from megdiffusion.data.datasets import DatasetError
     from megdiffusion.data.loader import LoaderError
@@ -50,14 +44,6 @@ def with_default_flagfile(argv):
     if any(arg.startswith(("--flagfile", "-flagfile")) for arg in argv[1:]):
         return argv
     return [argv[0], f"--flagfile={DEFAULT_FLAGFILE}"] + argv[1:]
-
-
-def parse_flags(argv):
-    """absl flag parsing, but a bad flag is one line and exit code 2."""
-    try:
-        return FLAGS(argv)
-    except flags.Error as err:
-        fail(err)
 
 
 def run():

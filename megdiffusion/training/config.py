@@ -225,6 +225,18 @@ def config_from_flags(flag_values):
     return resolve(TrainConfig(**values))
 
 
+def config_from_flagfile(path, **overrides):
+    """``config_from_flags`` for a flagfile plus overrides (flag name -> value): ``(cfg, images)``."""
+    from absl import flags
+
+    flag_values = flags.FlagValues()
+    define_flags(flag_values)
+    args = [f"--{name}={','.join(map(str, value)) if isinstance(value, (list, tuple)) else value}"
+            for name, value in overrides.items()]
+    flag_values(["megdiffusion", f"--flagfile={path}"] + args)
+    return config_from_flags(flag_values)
+
+
 def resolve(cfg):
     """Load the dataset, fill ``image_size``/``image_channels`` from it and validate: ``(cfg, images)``."""
     from megdiffusion.data.datasets import load_dataset

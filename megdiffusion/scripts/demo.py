@@ -1,0 +1,134 @@
+"""The demo: train the CPU recipe on the embedded Fashion-MNIST for a time budget, sample with the EMA
+model, save sample and real grids, and score FID against the embedded data.
+
+    python -m megdiffusion.scripts.demo [--minutes 10] [--output runs/demo] [--resume]
+
+Everything goes under --output. Without --resume a previous demo there is replaced (training starts
+clean; the cached Inception weights and reference statistics are kept); with --resume training continues
+from its last checkpoint for another --minutes.
+"""
+import json
+import os
+import shutil
+import time
+
+from absl import app, flags
+
+from megdiffusion.compat import quiet_megengine
+
+FLAGS = flags.FLAGS
+flags.DEFINE_float("minutes", 10.0, "Training time budget in minutes (this run).")
+flags.DEFINE_string("output", "runs/demo", "Output directory; nothing is written outside it.")
+flags.DEFINE_bool("resume", False, "Continue the previous demo's training instead of starting clean.")
+flags.DEFINE_string("config", None, "Training flagfile (default: the package's fashion_mnist_cpu.cfg).")
+flags.DEFINE_integer("num_images", 500, "EMA samples for FID (the real-vs-real floor depends on this count).")
+flags.DEFINE_integer("num_reference", 1000, "Embedded images (the first N) whose statistics are the FID "
+                     "reference; computed once and kept in --output.")
+flags.DEFINE_string("sampler", "ddim", "Sampler for the grid and FID samples: ddim or ddpm.")
+flags.DEFINE_integer("steps", 50, "Sampling steps for the grid and FID samples.")
+flags.DEFINE_integer("batch_size", 100, "Sampling and Inception batch size.")
+
+MARKER = "demo.json"
+KEPT_ON_RESTART = ("cache", "reference")
+
+
+def default_config():
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                        "fashion_mnist_cpu.cfg")
+
+
+def prepare_output(output, resume):
+    """Create ``output``; without ``resume`` clear a previous demo there (never a directory of other data)."""
+    from megdiffusion.cli import UsageError
+
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise UsageError(f"--output {output} is a file; give a directory")
+    if os.path.isdir(output) and os.listdir(output) and not os.path.exists(os.path.join(output, MARKER)):
+        raise UsageError(f"--output {output} exists and is not a demo directory; choose another --output")
+    if os.path.isdir(output) and not resume:
+        for name in os.listdir(output):
+            if name not in KEPT_ON_RESTART:
+                path = os.path.join(output, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    os.makedirs(output, exist_ok=True)
+    with open(os.path.join(output, MARKER), "w") as f:
+        json.dump({"created_by": "megdiffusion.scripts.demo"}, f)
+
+
+def demo(output, minutes, resume, config_path, num_images, num_reference, sampler, steps, batch_size):
+    """Train, sample, draw grids and score; returns the summary dict (also written to summary.json)."""
+    import numpy as np
+
+    from megdiffusion.evaluate import model_fid, reference_statistics
+    from megdiffusion.images import make_grid, save_png
+    from megdiffusion.sampling import check_sampler
+    from megdiffusion.training.checkpoint import load_latest, load_model_for_sampling
+    from megdiffusion.training.config import config_from_flagfile
+    from megdiffusion.training.trainer import train
+
+    logdir = os.path.join(output, "train")
+    resume = resume and load_latest(logdir) is not None
+    cfg, images = config_from_flagfile(config_path, logdir=logdir, resume=resume, time_limit_minutes=minutes,
+                                       total_steps=10 ** 9)
+    start_step = load_latest(logdir)[0]["step"] if resume else 0
+    started = time.monotonic()
+    step = train(cfg, images)
+    train_seconds = time.monotonic() - started
+
+    model, diffusion, _, _ = load_model_for_sampling(logdir, ema=True)
+    check_sampler(diffusion, sampler, steps)
+    cache = os.path.join(output, "reference", f"fashion_mnist_first{num_reference}.npz")
+    reference = reference_statistics(images[:num_reference], cache, batch_size, progress=True)
+    shape = (cfg.image_channels, cfg.image_size, cfg.image_size)
+    fid, samples = model_fid(model, diffusion, shape, reference, num_images, cfg.seed, sampler, steps,
+                             batch_size=batch_size, progress=True)
+    save_png(os.path.join(output, "samples.png"), make_grid(samples[:64], nrow=8))
+    save_png(os.path.join(output, "real.png"), make_grid(images[:64], nrow=8))
+    np.savez(os.path.join(output, "samples.npz"), arr_0=samples)
+    summary = {"steps": int(step), "steps_this_run": int(step - start_step),
+               "train_minutes": round(train_seconds / 60, 2),
+               "train_images_per_s": round((step - start_step) * cfg.batch_size / train_seconds, 1),
+               "fid": round(float(fid), 2), "fid_num_images": num_images,
+               "fid_reference": f"the first {min(num_reference, len(images))} embedded Fashion-MNIST images",
+               "sampler": f"{sampler}-{steps}", "samples_grid": os.path.join(output, "samples.png"),
+               "real_grid": os.path.join(output, "real.png")}
+    with open(os.path.join(output, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def main(argv):
+    from megdiffusion.cli import UsageError, one_line_errors, reject_arguments
+
+    reject_arguments(argv)
+    with one_line_errors():
+        if FLAGS.minutes <= 0 or FLAGS.num_images < 2 or FLAGS.num_reference < 2:
+            raise UsageError("--minutes must be > 0, --num_images and --num_reference at least 2")
+        prepare_output(FLAGS.output, FLAGS.resume)
+    # Caches (MegEngine's, the converted Inception weights) go under --output too: nothing is written elsewhere.
+    os.environ["XDG_CACHE_HOME"] = os.path.abspath(os.path.join(FLAGS.output, "cache"))
+    quiet_megengine()
+    from megdiffusion.data.datasets import DatasetError
+    from megdiffusion.sampling import SamplingError
+    from megdiffusion.training.checkpoint import CheckpointError
+    from megdiffusion.training.config import ConfigError
+
+    with one_line_errors(ConfigError, DatasetError, CheckpointError, SamplingError):
+        s = demo(FLAGS.output, FLAGS.minutes, FLAGS.resume, FLAGS.config or default_config(),
+                 FLAGS.num_images, FLAGS.num_reference, FLAGS.sampler, FLAGS.steps, FLAGS.batch_size)
+    print(f"\ndemo: {s['steps']} training steps ({s['steps_this_run']} in this run, {s['train_minutes']} min, "
+          f"{s['train_images_per_s']} images/s)\n"
+          f"demo: FID {s['fid']:.2f} from {s['fid_num_images']} EMA samples ({s['sampler']}) vs "
+          f"{s['fid_reference']}\n"
+          f"demo: samples {s['samples_grid']}  real images {s['real_grid']}  summary "
+          f"{os.path.join(FLAGS.output, 'summary.json')}")
+
+
+def run():
+    from megdiffusion.cli import parse_flags
+
+    app.run(main, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+    run()
