@@ -1,5 +1,8 @@
 """Training-time FID and the time limit, on a tiny run."""
 import json
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -39,6 +42,18 @@ def test_fid_every_writes_fid_to_metrics_and_caches_the_reference(tmp_path, monk
     monkeypatch.setattr(fid, "statistics_of_images", lambda *a, **k: pytest.fail("recomputed"))
     again = evaluate.reference_statistics(IMAGES, tmp_path / "fid_reference.npz")
     np.testing.assert_array_equal(again[1], sigma)
+
+
+def test_fid_cli_scores_a_checkpoint_like_the_training_hook(tmp_path):
+    cfg = tiny_config(tmp_path, fid_every=2, fid_num_images=4)
+    TrainingRun(cfg, IMAGES, progress=False).run()
+    during_training = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["fid"]
+    result = subprocess.run([sys.executable, "-m", "megdiffusion.scripts.fid", f"--ckpt={tmp_path}",
+                             "--num_images=4", "--sampler=ddim", "--steps=3", "--seed=0", "--noprogress",
+                             str(tmp_path / "fid_reference.npz")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    printed = float(re.search(r"FID: ([0-9.]+) \(4 EMA samples", result.stdout).group(1))
+    assert printed == pytest.approx(during_training, abs=1e-4)
 
 
 def test_time_limit_stops_early_with_a_checkpoint(tmp_path):

