@@ -2,11 +2,10 @@
 
 Convention: NCHW float32 in [-1, 1] inside the models, NHWC uint8 at the edges (files, datasets, FID).
 """
-import os
-import tempfile
-
 import numpy as np
 from PIL import Image
+
+from megdiffusion.fileio import atomic_write
 
 
 def to_uint8(x):
@@ -43,17 +42,8 @@ def save_png(path, image):
     image = np.asarray(image)
     if image.ndim == 3 and image.shape[2] == 1:
         image = image[:, :, 0]
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".png")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            Image.fromarray(image).save(f, format="PNG")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    with atomic_write(path) as f:
+        Image.fromarray(image).save(f, format="PNG")
 
 
 def read_image(path, mode="RGB"):

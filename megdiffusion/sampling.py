@@ -5,13 +5,12 @@ from a generator seeded by ``image_seed(seed, i)``. So a run split into pieces, 
 spread over several GPUs writes the same images as one uninterrupted run (for a given batch size).
 """
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from megdiffusion.fileio import save_npz, write_text
 from megdiffusion.images import make_grid, read_image, save_png, to_uint8
 
 MANIFEST = "manifest.json"
@@ -80,7 +79,7 @@ def prepare_output(output, settings):
                                 "choose another --output or delete it")
         return
     output.mkdir(parents=True, exist_ok=True)
-    _write_text_atomic(manifest, json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    write_text(manifest, json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
 def missing_indices(output, num_images, rank=0, world_size=1):
@@ -118,16 +117,5 @@ def write_summaries(output, num_images, npz=True, grid_size=64):
     images = read_samples(output, num_images)
     save_png(Path(output) / "grid.png", make_grid(images[:grid_size]))
     if npz:
-        path = Path(output) / "samples.npz"
-        fd, tmp = tempfile.mkstemp(dir=output, prefix=".tmp-", suffix=".npz")
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, arr_0=images)
-        os.replace(tmp, path)
+        save_npz(Path(output) / "samples.npz", arr_0=images)
     return images
-
-
-def _write_text_atomic(path, text):
-    fd, tmp = tempfile.mkstemp(dir=Path(path).parent, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)

@@ -12,10 +12,11 @@ Protocol (see README "Evaluation"):
 """
 import functools
 import os
-import tempfile
 import zipfile
 
 import numpy as np
+
+from megdiffusion.fileio import save_npz
 
 INPUT_SIZE = 299
 
@@ -200,16 +201,7 @@ def inception_score(logits, splits=10):
 
 def save_statistics(path, mu, sigma):
     """Write ``mu`` and ``sigma`` (float64) to an npz file atomically (pytorch-fid / TTUR format)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, mu=np.asarray(mu, np.float64), sigma=np.asarray(sigma, np.float64))
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    save_npz(path, mu=np.asarray(mu, np.float64), sigma=np.asarray(sigma, np.float64))
 
 
 def load_statistics(path):

@@ -22,12 +22,12 @@ import importlib.util
 import io
 import os
 import pickle
-import tempfile
 import zipfile
 
 import numpy as np
 
 from megdiffusion.compat import quiet_megengine
+from megdiffusion.fileio import save_npz
 
 quiet_megengine()
 import megengine as mge  # noqa: E402
@@ -191,19 +191,6 @@ def _cache_path(path):
     return os.path.join(cache_dir(), f"inception_fid_{hashlib.sha256(key).hexdigest()[:16]}.npz")
 
 
-def _save_npz_atomic(path, arrays):
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def load_weights(path=None):
     """Inception tensors ``{name: float32 array}`` named as in :class:`InceptionV3` 's state dict.
 
@@ -227,7 +214,7 @@ def load_weights(path=None):
             raise WeightsError(f"{path}: unexpected tensor {name}; is this the FID Inception archive?")
         weights[name[len(ARCHIVE_PREFIX):]] = array.astype(np.float32)
     try:
-        _save_npz_atomic(cached, weights)
+        save_npz(cached, **weights)
     except OSError:
         pass  # caching is an optimisation; a read-only home still works
     return weights

@@ -15,6 +15,7 @@ import time
 from absl import app, flags
 
 from megdiffusion.compat import quiet_megengine
+from megdiffusion.fileio import save_npz, write_text
 
 FLAGS = flags.FLAGS
 flags.DEFINE_float("minutes", 10.0, "Training time budget in minutes (this run).")
@@ -51,14 +52,11 @@ def prepare_output(output, resume):
                 path = os.path.join(output, name)
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     os.makedirs(output, exist_ok=True)
-    with open(os.path.join(output, MARKER), "w") as f:
-        json.dump({"created_by": "megdiffusion.scripts.demo"}, f)
+    write_text(os.path.join(output, MARKER), json.dumps({"created_by": "megdiffusion.scripts.demo"}) + "\n")
 
 
 def demo(output, minutes, resume, config_path, num_images, num_reference, sampler, steps, batch_size):
     """Train, sample, draw grids and score; returns the summary dict (also written to summary.json)."""
-    import numpy as np
-
     from megdiffusion.evaluate import model_fid, reference_statistics
     from megdiffusion.images import make_grid, save_png
     from megdiffusion.sampling import check_sampler
@@ -84,7 +82,7 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
                              batch_size=batch_size, progress=True)
     save_png(os.path.join(output, "samples.png"), make_grid(samples[:64], nrow=8))
     save_png(os.path.join(output, "real.png"), make_grid(images[:64], nrow=8))
-    np.savez(os.path.join(output, "samples.npz"), arr_0=samples)
+    save_npz(os.path.join(output, "samples.npz"), arr_0=samples)
     summary = {"steps": int(step), "steps_this_run": int(step - start_step),
                "train_minutes": round(train_seconds / 60, 2),
                "train_images_per_s": round((step - start_step) * cfg.batch_size / train_seconds, 1),
@@ -92,8 +90,7 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
                "fid_reference": f"the first {min(num_reference, len(images))} embedded Fashion-MNIST images",
                "sampler": f"{sampler}-{steps}", "samples_grid": os.path.join(output, "samples.png"),
                "real_grid": os.path.join(output, "real.png")}
-    with open(os.path.join(output, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    write_text(os.path.join(output, "summary.json"), json.dumps(summary, indent=2) + "\n")
     return summary
 
 

@@ -12,7 +12,8 @@ import os
 import pickle
 import re
 import sys
-import tempfile
+
+from megdiffusion.fileio import atomic_write
 
 CHECKPOINT_DIR = "checkpoints"
 REQUIRED_KEYS = ("step", "config", "model", "ema", "optimizer", "loader")
@@ -35,19 +36,8 @@ def checkpoint_path(logdir, step):
 
 def save_checkpoint(path, obj):
     """Pickle ``obj`` to ``path`` atomically: a temporary file in the same directory, then a rename."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp_", suffix=".pkl")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    with atomic_write(path) as f:
+        pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def list_checkpoints(logdir_or_dir):

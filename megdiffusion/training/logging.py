@@ -12,34 +12,19 @@ Run directory layout::
 import json
 import os
 import sys
-import tempfile
 
 import numpy as np
 from tqdm import tqdm
 
+from megdiffusion.fileio import write_text
 from megdiffusion.images import make_grid, to_uint8
 from megdiffusion.training.config import to_flagfile, to_json
 
 
-def write_text_atomic(path, text):
-    """Write ``text`` to ``path`` through a temporary file and a rename."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp_")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def write_run_files(cfg):
     """Save the effective flags (``flags.cfg``) and the resolved config (``config.json``) in the logdir."""
-    write_text_atomic(os.path.join(cfg.logdir, "flags.cfg"), to_flagfile(cfg))
-    write_text_atomic(os.path.join(cfg.logdir, "config.json"), to_json(cfg))
+    write_text(os.path.join(cfg.logdir, "flags.cfg"), to_flagfile(cfg))
+    write_text(os.path.join(cfg.logdir, "config.json"), to_json(cfg))
 
 
 def grid_seeds(cfg):
