@@ -1,9 +1,10 @@
-"""Training-step throughput, native convolutions vs the fast CPU backward, side by side in one process.
+"""Training-step throughput, native convolutions vs the fast numpy path, side by side in one process.
 
 Times ``Trainer.step`` (training loss, GradManager backward, clip_grad_norm, Adam, EMA) on two models:
 
-- ``cpu``: the CPU recipe's model flags, read from configs/fashion_mnist_cpu.cfg (28x28 gray);
-- ``cifar``: a CIFAR-10-shaped small model (3x32x32, 64 channels, mult 1,2,2,2, attention at 16).
+- ``cpu``: the CPU recipe, configs/fashion_mnist_cpu.cfg (model flags and batch size; 28x28 gray);
+- ``cifar``: a CIFAR-10-shaped small model (3x32x32, 64 channels, mult 1,2,2,2, attention at 16,
+  1 residual block per level, batch 16).
 
 The two paths alternate (native, fast, native, fast, ...) so that machine load hits both alike. Prints one
 JSON line per measurement, then per model a summary line with the median images/s of each path and
@@ -37,13 +38,14 @@ CPU_FLAGFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
                             "fashion_mnist_cpu.cfg")
 
 
-def cpu_recipe(batch_size):
-    """Config and a real batch of the CPU recipe (its flagfile, with the batch size overridden)."""
+def cpu_recipe(batch_size=None):
+    """Config and a real batch of the CPU recipe (its flagfile; batch size overridden when given)."""
     flag_values = flags.FlagValues()
     define_flags(flag_values)
-    flag_values(["train_step", f"--flagfile={CPU_FLAGFILE}", f"--batch_size={batch_size}"])
+    batch_flag = [f"--batch_size={batch_size}"] if batch_size else []
+    flag_values(["train_step", f"--flagfile={CPU_FLAGFILE}"] + batch_flag)
     cfg, images = config_from_flags(flag_values)
-    return cfg, to_float(images[:batch_size])
+    return cfg, to_float(images[:cfg.batch_size])
 
 
 def cifar_shaped(batch_size, num_res_blocks):
@@ -96,7 +98,8 @@ def main():
     parser.add_argument("--models", default="cpu,cifar", help="comma-separated: cpu, cifar")
     parser.add_argument("--rounds", type=int, default=2, help="native/fast pairs per model")
     parser.add_argument("--steps", type=int, default=1, help="training steps per measurement")
-    parser.add_argument("--cpu_batch", type=int, default=32, help="batch size of the cpu model")
+    parser.add_argument("--cpu_batch", type=int, default=None, help="batch size of the cpu model "
+                        "(default: the recipe's)")
     parser.add_argument("--cifar_batch", type=int, default=16, help="batch size of the cifar model")
     parser.add_argument("--cifar_res_blocks", type=int, default=1, help="residual blocks per level (cifar)")
     args = parser.parse_args()
@@ -104,7 +107,8 @@ def main():
     unknown = sorted(set(models) - {"cpu", "cifar"})
     if unknown:
         parser.error(f"unknown --models {','.join(unknown)}; choose from cpu, cifar")
-    if min(args.rounds, args.steps, args.cpu_batch, args.cifar_batch, args.cifar_res_blocks) < 1:
+    counts = [args.rounds, args.steps, args.cifar_batch, args.cifar_res_blocks]
+    if min(counts) < 1 or (args.cpu_batch is not None and args.cpu_batch < 1):
         parser.error("--rounds, --steps, --cpu_batch, --cifar_batch and --cifar_res_blocks must be >= 1")
     for name in models:
         if name == "cpu":
