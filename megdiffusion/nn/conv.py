@@ -43,7 +43,7 @@ def _setting_from_env():
         return None
     if value in ("0", "1"):
         return value == "1"
-    raise ValueError(f"{ENV_VAR} must be 0 (native kernels), 1 (fast CPU backward) or unset (auto); "
+    raise ValueError(f"{ENV_VAR} must be 0 (native kernels), 1 (fast numpy path) or unset (auto); "
                      f"got {value!r}")
 
 
@@ -52,10 +52,10 @@ _auto = None  # cached answer of the auto rule (probing CUDA costs time)
 
 
 def set_fast_conv(enabled):
-    """Choose the convolution backward path for the following forward calls.
+    """Choose how ``Conv2d`` computes from the next forward call on (its backward follows the forward).
 
-    ``True``: numpy backward (fast on CPU); ``False``: MegEngine's native kernels;
-    ``None``: auto, i.e. fast unless CUDA is available.
+    ``True``: the numpy path (fast on CPU); ``False``: MegEngine's native kernels;
+    ``None``: auto, i.e. numpy unless CUDA is available.
     """
     global _setting
     if enabled not in (True, False, None):
@@ -186,8 +186,9 @@ class Conv2d(M.Conv2d):
     numpy route when ``fast_conv_enabled()`` and the configuration allows it."""
 
     def _fast_path_supported(self, inp):
-        return (inp.dtype == np.float32 and self.groups == 1 and tuple(self.dilation) == (1, 1) and self.padding_mode == "zeros"
-                and self.conv_mode == "cross_correlation" and self.compute_mode == "default")
+        return (inp.dtype == np.float32 and self.groups == 1 and tuple(self.dilation) == (1, 1)
+                and self.padding_mode == "zeros" and self.conv_mode == "cross_correlation"
+                and self.compute_mode == "default")
 
     def forward(self, inp):
         # Under jit.trace the numpy route cannot be recorded (it would freeze its output as a constant).
