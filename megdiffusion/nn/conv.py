@@ -17,8 +17,8 @@ The path is chosen per forward call: ``set_fast_conv(True/False/None)``; ``None`
 on CPU-only machines and MegEngine's native kernels when CUDA is available (cuDNN is fine).
 The environment variable ``MEGDIFFUSION_FAST_CONV=0/1`` sets the default at import.
 Only float32 inputs with dilation 1, groups 1, zero padding and cross-correlation take the fast
-path, and never inside ``megengine.jit.trace``; everything else uses the native kernels. Parameters and checkpoints are those of
-``megengine.module.Conv2d`` on both paths.
+path, and never inside ``megengine.jit.trace``; everything else uses the native kernels.
+Parameters and checkpoints are those of ``megengine.module.Conv2d`` on both paths.
 """
 import os
 
