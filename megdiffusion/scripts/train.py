@@ -12,10 +12,12 @@ from absl import app, flags
 
 from megdiffusion.cli import fail, parse_flags, reject_arguments
 from megdiffusion.compat import quiet_megengine
+from megdiffusion.training import config
 from megdiffusion.training.config import define_flags
 
 FLAGS = flags.FLAGS
 define_flags(FLAGS)
+flags.adopt_module_key_flags(config)  # so that --help lists the training flags
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_FLAGFILE = os.path.join(PACKAGE_DIR, "configs", "fashion_mnist_cpu.cfg")
 
