@@ -63,7 +63,8 @@ class UpLevel(M.Module):
         return h
 
 
-def _check_config(model_channels, channel_mult, attention_resolutions, image_size):
+def check_config(model_channels, channel_mult, attention_resolutions, image_size):
+    """Raise ValueError (one line) for a UNet shape that cannot be built for ``image_size``."""
     if not channel_mult:
         raise ValueError("channel_mult must list at least one multiplier, e.g. (1, 2, 2, 2)")
     for mult in channel_mult:
@@ -109,7 +110,7 @@ class UNet(M.Module):
         image_size=32,
     ):
         super().__init__()
-        _check_config(model_channels, channel_mult, attention_resolutions, image_size)
+        check_config(model_channels, channel_mult, attention_resolutions, image_size)
         self.model_channels = model_channels
         self.image_size = image_size
         temb_channels = 4 * model_channels

@@ -128,7 +128,7 @@ def to_json(cfg):
 def validate(cfg):
     """Raise ``ConfigError`` for settings that cannot train. Needs ``image_size`` resolved."""
     from megdiffusion.data.loader import LoaderError, per_rank_batch
-    from megdiffusion.nn.unet import _check_config as check_unet_config
+    from megdiffusion.nn.unet import check_config as check_unet_config
 
     positive = ["model_channels", "num_res_blocks", "num_timesteps", "batch_size", "total_steps",
                 "keep_checkpoints", "log_every", "sample_num", "sample_steps", "num_gpus"]
