@@ -1,0 +1,51 @@
+"""The demo pipeline end to end with a tiny budget: train, sample, grids, FID, summary; resume or restart."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+from PIL import Image
+
+
+def run_demo(output, home, *extra):
+    env = dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"))
+    args = [sys.executable, "-m", "megdiffusion.scripts.demo", "--minutes=0.02", "--num_images=4",
+            "--num_reference=6", "--steps=2", "--batch_size=4", f"--output={output}", *extra]
+    return subprocess.run(args, capture_output=True, text=True, timeout=600, env=env, cwd=home)
+
+
+def test_demo_trains_samples_scores_and_resumes(tmp_path):
+    home, output = tmp_path / "home", tmp_path / "out"
+    home.mkdir()
+    first = run_demo(output, home)
+    assert first.returncode == 0, first.stderr
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary["steps"] >= 1 and summary["steps_this_run"] == summary["steps"]
+    assert np.isfinite(summary["fid"]) and summary["fid"] > 0 and summary["fid_num_images"] == 4
+    assert f"FID {summary['fid']:.2f}" in first.stdout
+    samples = np.load(output / "samples.npz")["arr_0"]
+    assert samples.shape == (4, 28, 28, 1) and samples.dtype == np.uint8
+    assert Image.open(output / "real.png").size == (2 + 8 * 30, 2 + 8 * 30)  # 8x8 real images, 2px gaps
+    assert Image.open(output / "samples.png").size == (2 + 8 * 30, 32)  # the 4 samples: one row of 8 slots
+    assert list(home.iterdir()) == []  # nothing written outside --output, caches included
+
+    resumed = run_demo(output, home, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    after = json.loads((output / "summary.json").read_text())
+    assert after["steps"] == summary["steps"] + after["steps_this_run"] > summary["steps"]
+
+    restarted = run_demo(output, home)
+    assert restarted.returncode == 0, restarted.stderr
+    again = json.loads((output / "summary.json").read_text())
+    assert again["steps_this_run"] == again["steps"]
+
+
+def test_demo_refuses_a_directory_it_did_not_make(tmp_path):
+    home, output = tmp_path / "home", tmp_path / "precious"
+    home.mkdir()
+    output.mkdir()
+    (output / "thesis.tex").write_text("keep")
+    result = run_demo(output, home)
+    assert result.returncode == 2 and result.stderr.strip().startswith("error:")
+    assert os.listdir(output) == ["thesis.tex"]
