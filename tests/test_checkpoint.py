@@ -16,7 +16,7 @@ def fake_state(step):
 
 
 def tiny_run(logdir, **changes):
-    values = dict(image_size=8, image_channels=1, model_channels=32, channel_mult=(1,), num_res_blocks=1,
+    values = dict(image_size=8, image_channels=1, model_channels=32, channel_mult=(1,), norm_groups=8, num_res_blocks=1,
                   attention_resolutions=(), dropout=0.0, num_timesteps=50, batch_size=4, total_steps=4,
                   save_every=2, keep_checkpoints=5, sample_every=0, logdir=str(logdir), ema_decay=0.5)
     values.update(changes)

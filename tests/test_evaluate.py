@@ -18,7 +18,7 @@ quiet_megengine()
 
 
 def tiny_config(logdir, **changes):
-    values = dict(image_size=8, image_channels=1, model_channels=32, channel_mult=(1,), num_res_blocks=1,
+    values = dict(image_size=8, image_channels=1, model_channels=32, channel_mult=(1,), norm_groups=8, num_res_blocks=1,
                   attention_resolutions=(), dropout=0.0, num_timesteps=40, batch_size=8, warmup_steps=0,
                   total_steps=2, sample_every=0, save_every=0, sample_steps=3, logdir=str(logdir))
     values.update(changes)

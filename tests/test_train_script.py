@@ -14,7 +14,8 @@ from megdiffusion.training.checkpoint import list_checkpoints, load_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 # A one-level 32-channel UNet: small enough for a few CPU steps per second.
-TINY_MODEL = ["--model_channels=32", "--channel_mult=1", "--num_res_blocks=1", "--attention_resolutions="]
+TINY_MODEL = ["--model_channels=32", "--channel_mult=1", "--norm_groups=8", "--num_res_blocks=1",
+              "--attention_resolutions="]
 
 
 def train(*args, hashseed=0, timeout=240):

@@ -12,7 +12,7 @@ mge = quiet_megengine()
 
 def tiny_config(**changes):
     """An 8x8 gray UNet with one level (about 160k parameters) and a short schedule."""
-    values = dict(image_size=8, image_channels=1, model_channels=32, channel_mult=(1,), num_res_blocks=1,
+    values = dict(image_size=8, image_channels=1, model_channels=32, channel_mult=(1,), norm_groups=8, num_res_blocks=1,
                   attention_resolutions=(), dropout=0.0, num_timesteps=100, batch_size=8, warmup_steps=0,
                   lr=1e-3, grad_clip=1.0, ema_decay=0.9, seed=0)
     values.update(changes)

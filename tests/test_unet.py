@@ -10,6 +10,7 @@ import pytest
 from megdiffusion.compat import assign_, quiet_megengine
 
 mge = quiet_megengine()
+import megengine.module as M  # noqa: E402
 from megengine.autodiff import GradManager  # noqa: E402
 from megengine.optimizer import Adam  # noqa: E402
 
@@ -142,13 +143,21 @@ def test_attention_matches_numpy():
     [
         (dict(image_size=30), "divisible by"),
         (dict(attention_resolutions=(16, 3)), "never occur"),
-        (dict(model_channels=48), "multiples of 32"),
+        (dict(model_channels=48), "multiples of norm_groups=32"),
+        (dict(model_channels=32, channel_mult=(1,)), "cannot see the timestep"),
+        (dict(model_channels=32, channel_mult=(1, 2), norm_groups=0), "norm_groups must be positive"),
         (dict(channel_mult=()), "at least one"),
     ],
 )
 def test_bad_config_raises(kwargs, message):
     with pytest.raises(ValueError, match=message):
         UNet(**kwargs)
+
+
+def test_norm_groups_sets_every_group_norm():
+    model = UNet(**dict(TINY, norm_groups=8))
+    norms = [m for m in model.modules() if isinstance(m, M.GroupNorm)]
+    assert norms and all(m.num_groups == 8 for m in norms)
 
 
 def test_forward_rejects_other_image_sizes():
@@ -180,9 +189,10 @@ def test_tiny_forward_backward_learns():
     assert losses[-1] < losses[0] - 0.01
 
 
-def test_timesteps_change_the_output():
+@pytest.mark.parametrize("config", [TINY, dict(TINY, channel_mult=(1,), attention_resolutions=(), norm_groups=8)])
+def test_timesteps_change_the_output(config):
     mge.random.seed(1)
-    model = UNet(**TINY)
+    model = UNet(**config)
     model.eval()
     for name, p in model.named_parameters():  # undo the near-zero init, through which t acts
         if name.endswith(("conv2.weight", "proj_out.weight", "conv_out.weight")):

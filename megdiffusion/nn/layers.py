@@ -16,7 +16,7 @@ from megengine import Tensor
 from megdiffusion.compat import upsample_nearest_2x
 from megdiffusion.nn.conv import Conv2d
 
-GROUPS = 32  # GroupNorm groups and eps: TensorFlow's group_norm defaults used by Ho's code
+GROUPS = 32  # GroupNorm groups and eps: TensorFlow's group_norm defaults used by Ho's code (the default)
 GROUP_NORM_EPS = 1e-6
 
 
@@ -42,9 +42,9 @@ def linear(in_features, out_features, init_scale=1.0):
     return layer
 
 
-def group_norm(channels):
-    """GroupNorm(32, channels, eps=1e-6) with affine parameters."""
-    return M.GroupNorm(GROUPS, channels, eps=GROUP_NORM_EPS)
+def group_norm(channels, groups=GROUPS):
+    """GroupNorm(groups, channels, eps=1e-6) with affine parameters (Ho: 32 groups)."""
+    return M.GroupNorm(groups, channels, eps=GROUP_NORM_EPS)
 
 
 def timestep_embedding(t, dim):
@@ -67,12 +67,12 @@ class ResBlock(M.Module):
     The skip is a 1x1 conv (Ho's ``nin_shortcut``) when the channel count changes, else identity.
     """
 
-    def __init__(self, in_channels, out_channels, temb_channels, dropout):
+    def __init__(self, in_channels, out_channels, temb_channels, dropout, groups=GROUPS):
         super().__init__()
-        self.norm1 = group_norm(in_channels)
+        self.norm1 = group_norm(in_channels, groups)
         self.conv1 = conv2d(in_channels, out_channels)
         self.temb_proj = linear(temb_channels, out_channels)
-        self.norm2 = group_norm(out_channels)
+        self.norm2 = group_norm(out_channels, groups)
         self.dropout = M.Dropout(dropout)
         self.conv2 = conv2d(out_channels, out_channels, init_scale=0.0)
         self.skip = conv2d(in_channels, out_channels, kernel_size=1) if in_channels != out_channels else None
@@ -89,9 +89,9 @@ class ResBlock(M.Module):
 class AttnBlock(M.Module):
     """Single-head self-attention over all positions: GN, 1x1 q/k/v, softmax(q k^T / sqrt(C)) v, 1x1 proj."""
 
-    def __init__(self, channels):
+    def __init__(self, channels, groups=GROUPS):
         super().__init__()
-        self.norm = group_norm(channels)
+        self.norm = group_norm(channels, groups)
         self.q = conv2d(channels, channels, kernel_size=1)
         self.k = conv2d(channels, channels, kernel_size=1)
         self.v = conv2d(channels, channels, kernel_size=1)

@@ -63,16 +63,25 @@ class UpLevel(M.Module):
         return h
 
 
-def check_config(model_channels, channel_mult, attention_resolutions, image_size):
+def check_config(model_channels, channel_mult, attention_resolutions, image_size, norm_groups=GROUPS):
     """Raise ValueError (one line) for a UNet shape that cannot be built for ``image_size``."""
     if not channel_mult:
         raise ValueError("channel_mult must list at least one multiplier, e.g. (1, 2, 2, 2)")
+    if norm_groups < 1:
+        raise ValueError(f"norm_groups must be positive, got {norm_groups}")
     for mult in channel_mult:
-        if mult < 1 or (model_channels * mult) % GROUPS:
+        if mult < 1 or (model_channels * mult) % norm_groups:
             raise ValueError(
-                f"model_channels * channel_mult must be positive multiples of {GROUPS} (GroupNorm groups); "
+                f"model_channels * channel_mult must be positive multiples of norm_groups={norm_groups}; "
                 f"got model_channels={model_channels}, channel_mult={tuple(channel_mult)}"
             )
+    if all(model_channels * mult == norm_groups for mult in channel_mult):
+        # The time embedding is added per channel right before a GroupNorm: with one channel per group
+        # the normalisation subtracts it again, and a network that never sees t cannot denoise.
+        raise ValueError(
+            f"with model_channels * channel_mult == norm_groups={norm_groups} at every level the UNet "
+            "cannot see the timestep; raise model_channels or channel_mult, or lower norm_groups"
+        )
     factor = 2 ** (len(channel_mult) - 1)
     if image_size < 1 or image_size % factor:
         raise ValueError(
@@ -94,8 +103,9 @@ class UNet(M.Module):
     ``forward(x, t)``: x float32 (N, in_channels, image_size, image_size), t (N,) integer timesteps of the
     original chain; returns (N, out_channels, image_size, image_size), ``out_channels`` defaulting to
     ``in_channels``. Attention is used at the resolutions in ``attention_resolutions`` and always in the
-    middle block. The time embedding is added per channel before a GroupNorm(32), so it only reaches
-    the output through levels with more than 32 channels (model_channels * mult >= 64).
+    middle block. ``norm_groups`` is the GroupNorm group count (Ho: 32). The time embedding is added per
+    channel before a GroupNorm, so it only reaches the output through levels with more than one channel
+    per group; small models (the CPU recipe) use fewer groups.
     """
 
     def __init__(
@@ -108,9 +118,10 @@ class UNet(M.Module):
         attention_resolutions=(16,),
         dropout=0.1,
         image_size=32,
+        norm_groups=GROUPS,
     ):
         super().__init__()
-        check_config(model_channels, channel_mult, attention_resolutions, image_size)
+        check_config(model_channels, channel_mult, attention_resolutions, image_size, norm_groups)
         self.model_channels = model_channels
         self.image_size = image_size
         temb_channels = 4 * model_channels
@@ -127,10 +138,10 @@ class UNet(M.Module):
             blocks, attns = [], []
             for _ in range(num_res_blocks):
                 out = model_channels * mult
-                blocks.append(ResBlock(channels, out, temb_channels, dropout))
+                blocks.append(ResBlock(channels, out, temb_channels, dropout, norm_groups))
                 channels = out
                 if resolution in attention_resolutions:
-                    attns.append(AttnBlock(channels))
+                    attns.append(AttnBlock(channels, norm_groups))
                 skip_channels.append(channels)
             downsample = None
             if level != len(channel_mult) - 1:
@@ -138,9 +149,9 @@ class UNet(M.Module):
                 skip_channels.append(channels)
             self.down.append(DownLevel(blocks, attns, downsample))
 
-        self.mid_block1 = ResBlock(channels, channels, temb_channels, dropout)
-        self.mid_attn = AttnBlock(channels)
-        self.mid_block2 = ResBlock(channels, channels, temb_channels, dropout)
+        self.mid_block1 = ResBlock(channels, channels, temb_channels, dropout, norm_groups)
+        self.mid_attn = AttnBlock(channels, norm_groups)
+        self.mid_block2 = ResBlock(channels, channels, temb_channels, dropout, norm_groups)
 
         up_levels = []
         for level, mult in reversed(list(enumerate(channel_mult))):
@@ -148,15 +159,15 @@ class UNet(M.Module):
             blocks, attns = [], []
             for _ in range(num_res_blocks + 1):
                 out = model_channels * mult
-                blocks.append(ResBlock(channels + skip_channels.pop(), out, temb_channels, dropout))
+                blocks.append(ResBlock(channels + skip_channels.pop(), out, temb_channels, dropout, norm_groups))
                 channels = out
                 if resolution in attention_resolutions:
-                    attns.append(AttnBlock(channels))
+                    attns.append(AttnBlock(channels, norm_groups))
             up_levels.append(UpLevel(blocks, attns, Upsample(channels) if level != 0 else None))
         assert not skip_channels
         self.up = up_levels[::-1]  # indexed by level, like down; forward walks it in reverse
 
-        self.norm_out = group_norm(channels)
+        self.norm_out = group_norm(channels, norm_groups)
         self.conv_out = conv2d(channels, out_channels or in_channels, init_scale=0.0)
 
     def forward(self, x, t):

@@ -66,8 +66,8 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
 
     logdir = os.path.join(output, "train")
     resume = resume and load_latest(logdir) is not None
-    cfg, images = config_from_flagfile(config_path, logdir=logdir, resume=resume, time_limit_minutes=minutes,
-                                       total_steps=10 ** 9)
+    # The recipe's --total_steps stays the cap (and the progress bar's total); the time budget ends the run.
+    cfg, images = config_from_flagfile(config_path, logdir=logdir, resume=resume, time_limit_minutes=minutes)
     start_step = load_latest(logdir)[0]["step"] if resume else 0
     started = time.monotonic()
     step = train(cfg, images)

@@ -35,6 +35,7 @@ class TrainConfig:
     num_res_blocks: int = _flag(2, "Residual blocks per resolution level.")
     attention_resolutions: Tuple[int, ...] = _flag((16,), "Resolutions (pixels) with self-attention.")
     dropout: float = _flag(0.1, "Dropout rate in the residual blocks.")
+    norm_groups: int = _flag(32, "GroupNorm groups (Ho: 32); small models need fewer, see the CPU recipe.")
     # Diffusion
     num_timesteps: int = _flag(1000, "Number of diffusion steps T.")
     beta_schedule: str = _flag("linear", "Beta schedule name (linear, cosine, ...).")
@@ -160,7 +161,8 @@ def validate(cfg):
     if cfg.image_size is None or cfg.image_size < 1:
         raise ConfigError("--image_size must be a positive integer")
     try:
-        check_unet_config(cfg.model_channels, cfg.channel_mult, cfg.attention_resolutions, cfg.image_size)
+        check_unet_config(cfg.model_channels, cfg.channel_mult, cfg.attention_resolutions, cfg.image_size,
+                          cfg.norm_groups)
     except ValueError as err:
         raise ConfigError(f"bad model flags: {err}") from None
     try:
@@ -176,7 +178,7 @@ def build_model(cfg):
     return UNet(in_channels=cfg.image_channels, model_channels=cfg.model_channels,
                 channel_mult=tuple(cfg.channel_mult), num_res_blocks=cfg.num_res_blocks,
                 attention_resolutions=tuple(cfg.attention_resolutions), dropout=cfg.dropout,
-                image_size=cfg.image_size)
+                image_size=cfg.image_size, norm_groups=cfg.norm_groups)
 
 
 def build_diffusion(cfg):

@@ -26,7 +26,7 @@ from megengine.optimizer import Adam, clip_grad_norm  # noqa: E402
 
 # Fields a resumed run must share with its checkpoint (they define the network and the maths).
 RECIPE_FIELDS = ("image_size", "image_channels", "model_channels", "channel_mult", "num_res_blocks",
-                 "attention_resolutions", "num_timesteps", "beta_schedule", "mean_type", "var_type")
+                 "attention_resolutions", "norm_groups", "num_timesteps", "beta_schedule", "mean_type", "var_type")
 
 
 class NonFiniteLossError(RuntimeError):
