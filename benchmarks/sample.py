@@ -15,27 +15,7 @@ from megdiffusion.compat import quiet_megengine
 mge = quiet_megengine()
 from megengine import jit  # noqa: E402
 
-from megdiffusion.training.config import TrainConfig, build_diffusion, build_model  # noqa: E402
-
-
-def config_from_flagfile(path):
-    """The model/diffusion fields of a train flagfile (``--name=value`` lines) as a TrainConfig."""
-    values = {}
-    for line in open(path):
-        line = line.strip()
-        if line.startswith("--") and "=" in line:
-            name, value = line[2:].split("=", 1)
-            values[name] = value
-    cfg = TrainConfig()
-    types = {"model_channels": int, "num_res_blocks": int, "num_timesteps": int, "dropout": float}
-    changes = {k: t(values[k]) for k, t in types.items() if k in values}
-    for name in ("channel_mult", "attention_resolutions"):
-        if name in values:
-            changes[name] = tuple(int(v) for v in values[name].split(",") if v)
-    for name in ("beta_schedule", "mean_type", "var_type"):
-        if name in values:
-            changes[name] = values[name]
-    return cfg.replace(**changes)
+from megdiffusion.training.config import build_diffusion, build_model, config_from_flagfile  # noqa: E402
 
 
 def time_steps(fn, x, t, repeats):
@@ -49,16 +29,14 @@ def time_steps(fn, x, t, repeats):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/fashion_mnist_cpu.cfg")
-    parser.add_argument("--image_size", type=int, default=28)
-    parser.add_argument("--channels", type=int, default=1)
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
 
-    cfg = config_from_flagfile(args.config).replace(image_size=args.image_size, image_channels=args.channels)
+    cfg, _ = config_from_flagfile(args.config)
     model, diffusion = build_model(cfg), build_diffusion(cfg)
     model.eval()
-    shape = (args.batch_size, args.channels, args.image_size, args.image_size)
+    shape = (args.batch_size, cfg.image_channels, cfg.image_size, cfg.image_size)
     x = mge.tensor(np.random.default_rng(0).standard_normal(shape).astype(np.float32))
     t = mge.tensor(np.full((args.batch_size,), 500, np.int32))
 
@@ -80,7 +58,7 @@ def main():
         diffusion.sample(model, shape, sampler=sampler, steps=steps, seeds=seeds).numpy()
         seconds = time.perf_counter() - start
         print(json.dumps({"benchmark": "sample", "sampler": f"{sampler}-{steps}", "batch_size": args.batch_size,
-                          "image_size": args.image_size, "seconds_per_image": round(seconds / args.batch_size, 4),
+                          "image_size": cfg.image_size, "seconds_per_image": round(seconds / args.batch_size, 4),
                           "images_per_s": round(args.batch_size / seconds, 3)}), flush=True)
 
 

@@ -2,7 +2,7 @@
 
 Times ``Trainer.step`` (training loss, GradManager backward, clip_grad_norm, Adam, EMA) on two models:
 
-- ``cpu``: the CPU recipe, configs/fashion_mnist_cpu.cfg (model flags and batch size; 28x28 gray);
+- ``cpu``: the CPU recipe, configs/fashion_mnist_cpu.cfg (its model and batch size; 28x28 gray);
 - ``cifar``: a CIFAR-10-shaped small model (3x32x32, 64 channels, mult 1,2,2,2, attention at 16,
   1 residual block per level, batch 16).
 
@@ -27,11 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megdiffusion.compat import quiet_megengine  # noqa: E402
 
 quiet_megengine()
-from absl import flags  # noqa: E402
-
 from megdiffusion.images import to_float  # noqa: E402
 from megdiffusion.nn.conv import set_fast_conv  # noqa: E402
-from megdiffusion.training.config import TrainConfig, config_from_flags, define_flags  # noqa: E402
+from megdiffusion.training.config import TrainConfig, config_from_flagfile  # noqa: E402
 from megdiffusion.training.trainer import Trainer  # noqa: E402
 
 CPU_FLAGFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
@@ -40,11 +38,7 @@ CPU_FLAGFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 def cpu_recipe(batch_size=None):
     """Config and a real batch of the CPU recipe (its flagfile; batch size overridden when given)."""
-    flag_values = flags.FlagValues()
-    define_flags(flag_values)
-    batch_flag = [f"--batch_size={batch_size}"] if batch_size else []
-    flag_values(["train_step", f"--flagfile={CPU_FLAGFILE}"] + batch_flag)
-    cfg, images = config_from_flags(flag_values)
+    cfg, images = config_from_flagfile(CPU_FLAGFILE, **({"batch_size": batch_size} if batch_size else {}))
     return cfg, to_float(images[:cfg.batch_size])
 
 
