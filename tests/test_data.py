@@ -1,4 +1,5 @@
 import gzip
+import os
 import pickle
 
 import numpy as np
@@ -89,3 +90,12 @@ def test_grid_layout_and_png_round_trip(tmp_path):
     save_png(tmp_path / "g.png", grid)
     np.testing.assert_array_equal(read_image(tmp_path / "g.png"), grid)
     assert [p.name for p in tmp_path.iterdir()] == ["g.png"]  # no temporary file left behind
+
+
+def test_written_files_get_the_usual_permissions(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        save_png(tmp_path / "p.png", np.zeros((2, 2), np.uint8))
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "p.png").stat().st_mode & 0o777 == 0o644
