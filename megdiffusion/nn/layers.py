@@ -47,6 +47,12 @@ def group_norm(channels, groups=GROUPS):
     return M.GroupNorm(groups, channels, eps=GROUP_NORM_EPS)
 
 
+def silu(x):
+    """Swish/SiLU, x * sigmoid(x). Written out: on CPU it measured ~12% faster per training step of the
+    CPU recipe than ``F.silu`` (forward plus backward), with the same values up to rounding."""
+    return x * F.sigmoid(x)
+
+
 def timestep_embedding(t, dim):
     """Ho's sinusoidal embedding of integer (or fractional) timesteps ``t`` (shape (N,)) -> (N, dim).
 
@@ -78,9 +84,9 @@ class ResBlock(M.Module):
         self.skip = conv2d(in_channels, out_channels, kernel_size=1) if in_channels != out_channels else None
 
     def forward(self, x, temb):
-        h = self.conv1(F.silu(self.norm1(x)))
-        h = h + F.expand_dims(self.temb_proj(F.silu(temb)), (2, 3))
-        h = self.conv2(self.dropout(F.silu(self.norm2(h))))
+        h = self.conv1(silu(self.norm1(x)))
+        h = h + F.expand_dims(self.temb_proj(silu(temb)), (2, 3))
+        h = self.conv2(self.dropout(silu(self.norm2(h))))
         if self.skip is not None:
             x = self.skip(x)
         return x + h

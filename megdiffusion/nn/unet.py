@@ -17,6 +17,7 @@ from megdiffusion.nn.layers import (
     conv2d,
     group_norm,
     linear,
+    silu,
     timestep_embedding,
 )
 
@@ -176,7 +177,7 @@ class UNet(M.Module):
                 f"UNet built for {self.image_size}x{self.image_size} inputs got shape {tuple(x.shape)}"
             )
         temb = timestep_embedding(t, self.model_channels)
-        temb = self.temb_dense1(F.silu(self.temb_dense0(temb)))
+        temb = self.temb_dense1(silu(self.temb_dense0(temb)))
 
         hs = [self.conv_in(x)]
         for level in self.down:
@@ -184,4 +185,4 @@ class UNet(M.Module):
         h = self.mid_block2(self.mid_attn(self.mid_block1(hs[-1], temb)), temb)
         for level in reversed(self.up):
             h = level(h, temb, hs)
-        return self.conv_out(F.silu(self.norm_out(h)))
+        return self.conv_out(silu(self.norm_out(h)))
