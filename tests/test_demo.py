@@ -49,3 +49,11 @@ def test_demo_refuses_a_directory_it_did_not_make(tmp_path):
     result = run_demo(output, home)
     assert result.returncode == 2 and result.stderr.strip().startswith("error:")
     assert os.listdir(output) == ["thesis.tex"]
+
+
+def test_demo_checks_the_sampler_before_training(tmp_path):
+    home, output = tmp_path / "home", tmp_path / "out"
+    home.mkdir()
+    result = run_demo(output, home, "--sampler=euler")
+    assert result.returncode == 2 and "unknown sampler" in result.stderr
+    assert not (output / "train").exists()

@@ -61,20 +61,21 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
     from megdiffusion.images import make_grid, save_png
     from megdiffusion.sampling import check_sampler
     from megdiffusion.training.checkpoint import load_latest, load_model_for_sampling
-    from megdiffusion.training.config import config_from_flagfile
+    from megdiffusion.training.config import build_diffusion, config_from_flagfile
     from megdiffusion.training.trainer import train
 
     logdir = os.path.join(output, "train")
-    resume = resume and load_latest(logdir) is not None
+    latest = load_latest(logdir) if resume else None
+    resume = latest is not None
     # The recipe's --total_steps stays the cap (and the progress bar's total); the time budget ends the run.
     cfg, images = config_from_flagfile(config_path, logdir=logdir, resume=resume, time_limit_minutes=minutes)
-    start_step = load_latest(logdir)[0]["step"] if resume else 0
+    check_sampler(build_diffusion(cfg), sampler, steps)  # before training, not after 10 minutes of it
+    start_step = latest[0]["step"] if latest else 0
     started = time.monotonic()
     step = train(cfg, images)
     train_seconds = time.monotonic() - started
 
     model, diffusion, _, _ = load_model_for_sampling(logdir, ema=True)
-    check_sampler(diffusion, sampler, steps)
     cache = os.path.join(output, "reference", f"fashion_mnist_first{num_reference}.npz")
     reference = reference_statistics(images[:num_reference], cache, batch_size, progress=True)
     shape = (cfg.image_channels, cfg.image_size, cfg.image_size)
