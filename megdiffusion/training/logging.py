@@ -13,11 +13,11 @@ import json
 import os
 import sys
 
-import numpy as np
 from tqdm import tqdm
 
 from megdiffusion.fileio import write_text
-from megdiffusion.images import make_grid, to_uint8
+from megdiffusion.images import make_grid
+from megdiffusion.sampling import generate_images
 from megdiffusion.training.config import to_flagfile, to_json
 
 
@@ -27,17 +27,13 @@ def write_run_files(cfg):
     write_text(os.path.join(cfg.logdir, "config.json"), to_json(cfg))
 
 
-def grid_seeds(cfg):
-    """The fixed per-image seeds of the training sample grids (the same at every step and on resume)."""
-    return [int(s) for s in np.random.default_rng([cfg.seed, 2]).integers(0, 2 ** 31, cfg.sample_num)]
-
-
 def sample_grid(model, diffusion, cfg):
-    """An image grid (uint8 HWC) sampled from ``model`` with the grid seeds, sampler and step count."""
-    shape = (cfg.sample_num, cfg.image_channels, cfg.image_size, cfg.image_size)
-    x = diffusion.sample(model, shape, sampler=cfg.sample_sampler, steps=cfg.sample_steps,
-                         seeds=grid_seeds(cfg))
-    return make_grid(to_uint8(x))
+    """An image grid (uint8 HWC) of ``model``'s images 0..sample_num-1 of the run seed (the same noise at
+    every step and on resume), sampled with the grid sampler and step count."""
+    shape = (cfg.image_channels, cfg.image_size, cfg.image_size)
+    images = generate_images(model, diffusion, shape, range(cfg.sample_num), cfg.seed, cfg.sample_sampler,
+                             cfg.sample_steps, batch_size=cfg.sample_num)
+    return make_grid(images)
 
 
 def grid_path(logdir, step):
