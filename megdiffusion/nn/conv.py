@@ -1,17 +1,21 @@
-"""Conv2d used by every convolution of the UNet, with a fast backward pass on CPUs.
+"""Conv2d used by every convolution of the UNet, computed in numpy on CPUs.
 
 MegEngine's x86 kernel for the convolution *weight* gradient is very slow (REFERENCES.md §3: 3.8 s
-against 0.16 s for the forward pass of a 64->64 3x3 conv on 16x64x32x32), and its CPU matmul is slow.
-On the fast path the convolution is a ``megengine.autodiff.Function`` whose forward is MegEngine's
-own kernel (outputs are bit-identical to ``megengine.module.Conv2d``; measured here, a numpy forward
-was no faster in training and slower when sampling) and whose backward runs in numpy (OpenBLAS):
+against 0.16 s for the forward pass of a 64->64 3x3 conv on 16x64x32x32), and its default forward
+kernels were ~1.9x slower than im2col + OpenBLAS on the CPU recipe's shapes. On the fast path the
+convolution is a ``megengine.autodiff.Function`` computed in numpy:
 
-- weight gradient: im2col of the input (a strided view, copied), one batched matmul with dy;
-- input gradient: stride 1, a correlation of dy with the flipped, transposed kernel (im2col +
-  matmul again); other strides, W^T dy per window added back window by window (col2im);
-- bias gradient: dy summed over batch and space.
+- forward: im2col of the input (a strided view, copied per batch chunk), one matmul per sample;
+- weight gradient: the same im2col, one matmul per sample with dy, the products summed in batch order;
+- input gradient: stride 1, a correlation of dy with the flipped, transposed kernel (padding k - 1 - p);
+  other strides, W^T dy per window added back window by window (col2im);
+- bias gradient: dy summed over batch and space (float64 accumulation).
 
-Gradients equal the native ones up to float32 rounding (tests: 1e-5 relative).
+The batch is split into contiguous chunks that run on a pool of threads, one per available core, while
+OpenBLAS is held to one thread: the im2col copies run in parallel too, and nothing depends on the
+number of threads (every sample's matmuls are the same whatever the chunking), so results are
+bit-identical on any core count. Outputs and gradients equal MegEngine's up to float32 rounding
+(tests: 1e-5 relative).
 
 The path is chosen per forward call: ``set_fast_conv(True/False/None)``; ``None`` (auto) means fast
 on CPU-only machines and MegEngine's native kernels when CUDA is available (cuDNN is fine).
@@ -21,12 +25,13 @@ path, and never inside ``megengine.jit.trace``; everything else uses the native 
 Parameters and checkpoints are those of ``megengine.module.Conv2d`` on both paths.
 """
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
+from threadpoolctl import ThreadpoolController
 
 import megengine
-import megengine.functional as F
 import megengine.module as M
 from megengine.autodiff import Function
 from megengine.jit.tracing import is_tracing
@@ -34,8 +39,12 @@ from megengine.jit.tracing import is_tracing
 from megdiffusion.compat import cuda_available
 
 ENV_VAR = "MEGDIFFUSION_FAST_CONV"
-# Upper bound on the im2col buffer built in one go (floats); larger batches are processed in chunks.
+# Upper bound on one im2col buffer (floats); a batch chunk holds fewer samples when needed.
 _MAX_COLS = 1 << 24
+# Threads that share a batch: the cores this process may run on.
+_THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+_pool = None
+_blas = None
 
 
 def _setting_from_env():
@@ -44,7 +53,7 @@ def _setting_from_env():
         return None
     if value in ("0", "1"):
         return value == "1"
-    raise ValueError(f"{ENV_VAR} must be 0 (native kernels), 1 (fast numpy backward) or unset (auto); "
+    raise ValueError(f"{ENV_VAR} must be 0 (native kernels), 1 (fast numpy path) or unset (auto); "
                      f"got {value!r}")
 
 
@@ -53,9 +62,9 @@ _auto = None  # cached answer of the auto rule (probing CUDA costs time)
 
 
 def set_fast_conv(enabled):
-    """Choose the ``Conv2d`` backward from the next forward call on (a backward follows its forward).
+    """Choose the ``Conv2d`` route from the next forward call on (a backward follows its forward).
 
-    ``True``: the numpy backward (fast on CPU); ``False``: MegEngine's native kernels;
+    ``True``: numpy forward and backward (fast on CPU); ``False``: MegEngine's native kernels;
     ``None``: auto, i.e. numpy unless CUDA is available.
     """
     global _setting
@@ -86,33 +95,57 @@ def _pad(x, padding):
     ph, pw = padding
     if ph == 0 and pw == 0:
         return x
-    return np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    n, c, h, w = x.shape
+    padded = np.zeros((n, c, h + 2 * ph, w + 2 * pw), x.dtype)
+    padded[:, :, ph:ph + h, pw:pw + w] = x
+    return padded
 
 
 def _output_hw(input_hw, kernel, stride, padding):
     return tuple((size + 2 * p - k) // s + 1 for size, k, s, p in zip(input_hw, kernel, stride, padding))
 
 
-def _batch_chunk(per_sample):
-    """How many samples fit in one im2col buffer of at most ``_MAX_COLS`` floats."""
-    return max(1, _MAX_COLS // per_sample)
+def _one_blas_thread():
+    """Context manager holding OpenBLAS (or MKL) to one thread: the batch chunks are the parallelism."""
+    global _blas
+    if _blas is None:
+        _blas = ThreadpoolController()
+    return _blas.limit(limits=1, user_api="blas")
+
+
+def _for_batch_chunks(n, floats_per_sample, work):
+    """Call ``work(batch_slice)`` on contiguous chunks of a batch of ``n``, in parallel on ``_THREADS``.
+
+    One chunk per thread (fewer for small batches), split further so that a chunk's im2col buffer of
+    ``floats_per_sample`` floats per sample stays under ``_MAX_COLS``. ``work`` writes its own slice of
+    preallocated outputs, so the result does not depend on the chunking.
+    """
+    global _pool
+    size = max(1, min(-(-n // _THREADS), _MAX_COLS // floats_per_sample))
+    chunks = [slice(start, min(start + size, n)) for start in range(0, n, size)]
+    with _one_blas_thread():
+        if len(chunks) == 1:
+            work(chunks[0])
+            return
+        if _pool is None:
+            _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="megdiffusion-conv")
+        for _ in _pool.map(work, chunks):  # re-raises an exception of any chunk
+            pass
 
 
 def _correlate(x, weight, stride, padding):
-    """What conv2d computes, without bias: x (N, C, H, W) with weight (O, C, kh, kw) -> (N, O, Ho, Wo).
-
-    im2col (a strided view, copied per batch chunk) and one batched matmul per chunk.
-    """
+    """What conv2d computes, without bias: x (N, C, H, W) with weight (O, C, kh, kw) -> (N, O, Ho, Wo)."""
     n, c = x.shape[:2]
     o, _, kh, kw = weight.shape
     ho, wo = _output_hw(x.shape[2:], (kh, kw), stride, padding)
-    x_padded = _pad(x, padding)
     weight_2d = weight.reshape(o, c * kh * kw)
     out = np.empty((n, o, ho * wo), np.float32)
-    chunk = _batch_chunk(c * kh * kw * ho * wo)
-    for start in range(0, n, chunk):
-        cols = _windows(x_padded[start:start + chunk], (kh, kw), stride, (ho, wo))
-        np.matmul(weight_2d, cols.reshape(cols.shape[0], c * kh * kw, ho * wo), out=out[start:start + chunk])
+
+    def work(chunk):
+        cols = _windows(_pad(x[chunk], padding), (kh, kw), stride, (ho, wo))
+        np.matmul(weight_2d, cols.reshape(cols.shape[0], c * kh * kw, ho * wo), out=out[chunk])
+
+    _for_batch_chunks(n, c * kh * kw * ho * wo, work)
     return out.reshape(n, o, ho, wo)
 
 
@@ -120,15 +153,16 @@ def _weight_grad(x, dy, kernel, stride, padding):
     """dL/dW (O, C, kh, kw) of a conv with input ``x`` (N, C, H, W) and output gradient ``dy``."""
     n, c = x.shape[:2]
     o, ho, wo = dy.shape[1:]
-    x_padded = _pad(x, padding)
     dy_flat = dy.reshape(n, o, ho * wo)
-    chunk = _batch_chunk(c * kernel[0] * kernel[1] * ho * wo)
-    dw = np.zeros((o, c * kernel[0] * kernel[1]), np.float32)
-    for start in range(0, n, chunk):
-        cols = _windows(x_padded[start:start + chunk], kernel, stride, (ho, wo))
+    products = np.empty((n, o, c * kernel[0] * kernel[1]), np.float32)  # one dL/dW per sample
+
+    def work(chunk):
+        cols = _windows(_pad(x[chunk], padding), kernel, stride, (ho, wo))
         cols = cols.reshape(cols.shape[0], -1, ho * wo)  # copies: (n, C*kh*kw, Ho*Wo)
-        dw += np.matmul(dy_flat[start:start + chunk], cols.transpose(0, 2, 1)).sum(axis=0)
-    return dw.reshape(o, c, kernel[0], kernel[1])
+        np.matmul(dy_flat[chunk], cols.transpose(0, 2, 1), out=products[chunk])
+
+    _for_batch_chunks(n, c * kernel[0] * kernel[1] * ho * wo, work)
+    return products.sum(axis=0).reshape(o, c, kernel[0], kernel[1])
 
 
 def _input_grad(dy, weight, input_hw, stride, padding):
@@ -143,17 +177,24 @@ def _input_grad(dy, weight, input_hw, stride, padding):
     if (sh, sw) == (1, 1) and ph < kh and pw < kw:
         flipped = np.ascontiguousarray(weight[:, :, ::-1, ::-1].transpose(1, 0, 2, 3))
         return _correlate(dy, flipped, (1, 1), (kh - 1 - ph, kw - 1 - pw))
-    dcols = np.matmul(weight.reshape(o, -1).T, dy.reshape(n, o, ho * wo)).reshape(n, c, kh, kw, ho, wo)
+    weight_t = weight.reshape(o, -1).T
     # Rows/columns past the last window (odd sizes with stride 2) are never read: their gradient is 0.
     dx = np.zeros((n, c, input_hw[0] + 2 * ph, input_hw[1] + 2 * pw), np.float32)
-    for i in range(kh):
-        for j in range(kw):
-            dx[:, :, i:i + sh * (ho - 1) + 1:sh, j:j + sw * (wo - 1) + 1:sw] += dcols[:, :, i, j]
+
+    def work(chunk):
+        dy_chunk = dy[chunk]
+        dcols = np.matmul(weight_t, dy_chunk.reshape(len(dy_chunk), o, ho * wo))
+        dcols = dcols.reshape(len(dy_chunk), c, kh, kw, ho, wo)
+        for i in range(kh):
+            for j in range(kw):
+                dx[chunk, :, i:i + sh * (ho - 1) + 1:sh, j:j + sw * (wo - 1) + 1:sw] += dcols[:, :, i, j]
+
+    _for_batch_chunks(n, c * kh * kw * ho * wo, work)
     return dx[:, :, ph:ph + input_hw[0], pw:pw + input_hw[1]]
 
 
 class _FastConv2d(Function):
-    """conv2d with MegEngine's forward and a numpy backward; one instance per call."""
+    """conv2d computed in numpy, forward and backward; one instance per call."""
 
     def __init__(self, stride, padding):
         super().__init__()
@@ -161,13 +202,16 @@ class _FastConv2d(Function):
         self.padding = padding
 
     def forward(self, x, weight, bias=None):
-        self.x, self.weight, self.has_bias = x, weight, bias is not None
-        return F.conv2d(x, weight, bias, self.stride, self.padding)
+        self.x, self.weight, self.has_bias = x.numpy(), weight.numpy(), bias is not None
+        y = _correlate(self.x, self.weight, self.stride, self.padding)
+        if bias is not None:
+            y += bias.numpy().reshape(1, -1, 1, 1)
+        return megengine.tensor(y, device=x.device)
 
     def backward(self, dy):
         if dy is None:
             return (None, None, None) if self.has_bias else (None, None)
-        x, weight, dy_np = self.x.numpy(), self.weight.numpy(), dy.numpy()
+        x, weight, dy_np = self.x, self.weight, dy.numpy()
         device = dy.device
         dx = _input_grad(dy_np, weight, x.shape[2:], self.stride, self.padding)
         dw = _weight_grad(x, dy_np, weight.shape[2:], self.stride, self.padding)
@@ -180,8 +224,8 @@ class _FastConv2d(Function):
 
 
 class Conv2d(M.Conv2d):
-    """Drop-in ``megengine.module.Conv2d`` (same parameters and checkpoint format) whose backward takes
-    the fast numpy route when ``fast_conv_enabled()`` and the configuration allows it."""
+    """Drop-in ``megengine.module.Conv2d`` (same parameters and checkpoint format) that takes the fast
+    numpy route when ``fast_conv_enabled()`` and the configuration allows it."""
 
     def _fast_path_supported(self, inp):
         return (inp.dtype == np.float32 and self.groups == 1 and tuple(self.dilation) == (1, 1)
@@ -189,7 +233,7 @@ class Conv2d(M.Conv2d):
                 and self.compute_mode == "default")
 
     def forward(self, inp):
-        # jit.trace cannot record a Function with a numpy backward: traced code uses native kernels.
+        # jit.trace cannot record a Function computed in numpy: traced code uses native kernels.
         if is_tracing() or not (fast_conv_enabled() and self._fast_path_supported(inp)):
             return self.calc_conv(inp, self.weight, self.bias)
         function = _FastConv2d(tuple(self.stride), tuple(self.padding))
