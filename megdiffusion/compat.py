@@ -25,6 +25,7 @@ _NOISE = re.compile(
 
 
 _LIBC = ctypes.CDLL(None)
+_started = False  # quiet_megengine has imported MegEngine and run its first op
 
 
 def _verbose():
@@ -78,17 +79,19 @@ def quiet_megengine():
 
     Only the known CPU-mode banner and ``debug: failed to load cuda func`` lines are dropped; any
     other output of the import (warnings, real errors) is written back to stderr.
-    ``MEGDIFFUSION_VERBOSE=1`` turns the filter off.
+    ``MEGDIFFUSION_VERBOSE=1`` turns the filter off. When MegEngine was imported before, the first
+    tensor op still runs here, filtered (it prints the CUDA probe's lines and the worker-spin warning).
     """
-    if "megengine" in sys.modules:
-        import megengine
+    global _started
+    if not _started:
+        with _filtered_stderr():
+            import megengine
+            import megengine.distributed  # noqa: F401
 
-        return megengine
-    with _filtered_stderr():
-        import megengine
-        import megengine.distributed  # noqa: F401
+            megengine.tensor([0.0]).numpy()
+        _started = True
+    import megengine
 
-        megengine.tensor([0.0]).numpy()  # the first tensor prints the CUDA probe's debug lines on CPU
     return megengine
 
 

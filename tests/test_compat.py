@@ -1,0 +1,60 @@
+"""compat.limit_worker_spin: MegEngine's workers stop busy-waiting on CPU-only machines, quietly."""
+import ctypes
+import os
+import subprocess
+import sys
+
+from megdiffusion.compat import WORKER_SPIN
+
+SPIN_VARIABLES = ("MGB_WORKER_MAX_SPIN", "MGB_WORKER_NO_SLEEP")
+
+
+def cuda_driver_loadable():
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
+def run_python(code, **env):
+    clean = {key: value for key, value in os.environ.items() if key not in SPIN_VARIABLES}
+    result = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+SHOW_SPIN = "import os, megdiffusion; print(os.environ.get('MGB_WORKER_MAX_SPIN'))"
+
+
+def test_import_caps_the_spin_only_without_a_cuda_driver():
+    expected = "None" if cuda_driver_loadable() else WORKER_SPIN  # GPU machines keep MegEngine's default
+    assert run_python(SHOW_SPIN).stdout.strip() == expected
+
+
+def test_user_settings_and_an_earlier_megengine_import_are_left_alone():
+    assert run_python(SHOW_SPIN, MGB_WORKER_MAX_SPIN="50").stdout.strip() == "50"
+    assert run_python(SHOW_SPIN, MGB_WORKER_NO_SLEEP="1").stdout.strip() == "None"
+    too_late = "import megengine, os, megdiffusion; print(os.environ.get('MGB_WORKER_MAX_SPIN'))"
+    assert run_python(too_late).stdout.strip().splitlines()[-1] == "None"
+
+
+CONV = ("print(Conv2d(2, 3, 3, padding=1)(mge.tensor(np.ones((2, 2, 5, 5), np.float32))).shape)")
+
+
+def test_megengine_warning_about_the_spin_is_filtered():
+    code = ("import numpy as np\n"
+            "from megdiffusion.compat import quiet_megengine\n"
+            "mge = quiet_megengine()\n"
+            "from megdiffusion.nn.conv import Conv2d\n" + CONV)
+    result = run_python(code)
+    assert result.stdout.strip() == "(2, 3, 5, 5)"
+    assert result.stderr == ""
+    # MegEngine imported first (its import banner is its own), the first op's lines are still filtered.
+    code = ("import numpy as np\n"
+            "from megdiffusion.nn.conv import Conv2d\n"
+            "from megdiffusion.compat import quiet_megengine\n"
+            "mge = quiet_megengine()\n" + CONV)
+    result = run_python(code)
+    assert result.stdout.strip() == "(2, 3, 5, 5)"
+    assert "spin" not in result.stderr and "debug:" not in result.stderr, result.stderr
