@@ -13,6 +13,7 @@ import megengine.module as M  # noqa: E402
 import megengine.optimizer as optim  # noqa: E402
 from megengine.autodiff import GradManager  # noqa: E402
 
+from megdiffusion import batch_threads  # noqa: E402
 from megdiffusion.nn import conv as conv_module  # noqa: E402
 from megdiffusion.nn.conv import Conv2d, fast_conv_enabled, set_fast_conv  # noqa: E402
 
@@ -102,7 +103,7 @@ def test_results_do_not_depend_on_thread_count(stride, monkeypatch):
     x, dy = random_case(rng, conv, 5, 9, 8)
     results = {}
     for threads in (1, 2, 3):
-        monkeypatch.setattr(conv_module, "_THREADS", threads)
+        monkeypatch.setattr(batch_threads, "THREADS", threads)
         results[threads] = forward_backward(conv, x, dy, fast=True)
     for threads in (2, 3):
         np.testing.assert_array_equal(results[threads][0], results[1][0])
@@ -113,20 +114,6 @@ def test_results_do_not_depend_on_thread_count(stride, monkeypatch):
     np.testing.assert_array_equal(y_per_sample, results[1][0])
     for per_sample, serial in zip(grads_per_sample, results[1][1]):
         np.testing.assert_array_equal(per_sample, serial)
-
-
-def test_a_failing_chunk_raises_in_the_caller(monkeypatch):
-    monkeypatch.setattr(conv_module, "_THREADS", 2)
-    seen = []
-
-    def work(chunk):
-        seen.append((chunk.start, chunk.stop))
-        if chunk.start:
-            raise RuntimeError("chunk failed")
-
-    with pytest.raises(RuntimeError, match="chunk failed"):
-        conv_module._for_batch_chunks(4, 10, work)
-    assert sorted(seen) == [(0, 2), (2, 4)]
 
 
 @pytest.mark.parametrize("kwargs", [dict(groups=2), dict(dilation=2), dict(padding_mode="reflect")])

@@ -11,10 +11,9 @@ convolution is a ``megengine.autodiff.Function`` computed in numpy:
   other strides, W^T dy per window added back window by window (col2im);
 - bias gradient: dy summed over batch and space (float64 accumulation).
 
-The batch is split into contiguous chunks that run on a pool of threads, one per available core, while
-OpenBLAS is held to one thread: the im2col copies run in parallel too, and nothing depends on the
-number of threads (every sample's matmuls are the same whatever the chunking), so results are
-bit-identical on any core count. Outputs and gradients equal MegEngine's up to float32 rounding
+The batch is split into contiguous chunks that run on one thread per core while OpenBLAS is held to
+one thread (``megdiffusion.batch_threads``): the im2col copies run in parallel too, and every sample's
+matmuls are the same whatever the chunking, so results are bit-identical on any core count. Outputs and gradients equal MegEngine's up to float32 rounding
 (tests: 1e-5 relative).
 
 The path is chosen per forward call: ``set_fast_conv(True/False/None)``; ``None`` (auto) means fast
@@ -25,26 +24,21 @@ path, and never inside ``megengine.jit.trace``; everything else uses the native 
 Parameters and checkpoints are those of ``megengine.module.Conv2d`` on both paths.
 """
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
-from threadpoolctl import ThreadpoolController
 
 import megengine
 import megengine.module as M
 from megengine.autodiff import Function
 from megengine.jit.tracing import is_tracing
 
+from megdiffusion.batch_threads import for_batch_chunks
 from megdiffusion.compat import cuda_available
 
 ENV_VAR = "MEGDIFFUSION_FAST_CONV"
 # Upper bound on one im2col buffer (floats); a batch chunk holds fewer samples when needed.
 _MAX_COLS = 1 << 24
-# Threads that share a batch: the cores this process may run on.
-_THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-_pool = None
-_blas = None
 
 
 def _setting_from_env():
@@ -105,34 +99,6 @@ def _output_hw(input_hw, kernel, stride, padding):
     return tuple((size + 2 * p - k) // s + 1 for size, k, s, p in zip(input_hw, kernel, stride, padding))
 
 
-def _one_blas_thread():
-    """Context manager holding OpenBLAS (or MKL) to one thread: the batch chunks are the parallelism."""
-    global _blas
-    if _blas is None:
-        _blas = ThreadpoolController()
-    return _blas.limit(limits=1, user_api="blas")
-
-
-def _for_batch_chunks(n, floats_per_sample, work):
-    """Call ``work(batch_slice)`` on contiguous chunks of a batch of ``n``, in parallel on ``_THREADS``.
-
-    One chunk per thread (fewer for small batches), split further so that a chunk's im2col buffer of
-    ``floats_per_sample`` floats per sample stays under ``_MAX_COLS``. ``work`` writes its own slice of
-    preallocated outputs, so the result does not depend on the chunking.
-    """
-    global _pool
-    size = max(1, min(-(-n // _THREADS), _MAX_COLS // floats_per_sample))
-    chunks = [slice(start, min(start + size, n)) for start in range(0, n, size)]
-    with _one_blas_thread():
-        if len(chunks) == 1:
-            work(chunks[0])
-            return
-        if _pool is None:
-            _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="megdiffusion-conv")
-        for _ in _pool.map(work, chunks):  # re-raises an exception of any chunk
-            pass
-
-
 def _correlate(x, weight, stride, padding):
     """What conv2d computes, without bias: x (N, C, H, W) with weight (O, C, kh, kw) -> (N, O, Ho, Wo)."""
     n, c = x.shape[:2]
@@ -145,7 +111,7 @@ def _correlate(x, weight, stride, padding):
         cols = _windows(_pad(x[chunk], padding), (kh, kw), stride, (ho, wo))
         np.matmul(weight_2d, cols.reshape(cols.shape[0], c * kh * kw, ho * wo), out=out[chunk])
 
-    _for_batch_chunks(n, c * kh * kw * ho * wo, work)
+    for_batch_chunks(n, work, _MAX_COLS // (c * kh * kw * ho * wo))
     return out.reshape(n, o, ho, wo)
 
 
@@ -161,7 +127,7 @@ def _weight_grad(x, dy, kernel, stride, padding):
         cols = cols.reshape(cols.shape[0], -1, ho * wo)  # copies: (n, C*kh*kw, Ho*Wo)
         np.matmul(dy_flat[chunk], cols.transpose(0, 2, 1), out=products[chunk])
 
-    _for_batch_chunks(n, c * kernel[0] * kernel[1] * ho * wo, work)
+    for_batch_chunks(n, work, _MAX_COLS // (c * kernel[0] * kernel[1] * ho * wo))
     return products.sum(axis=0).reshape(o, c, kernel[0], kernel[1])
 
 
@@ -189,7 +155,7 @@ def _input_grad(dy, weight, input_hw, stride, padding):
             for j in range(kw):
                 dx[chunk, :, i:i + sh * (ho - 1) + 1:sh, j:j + sw * (wo - 1) + 1:sw] += dcols[:, :, i, j]
 
-    _for_batch_chunks(n, c * kh * kw * ho * wo, work)
+    for_batch_chunks(n, work, _MAX_COLS // (c * kh * kw * ho * wo))
     return dx[:, :, ph:ph + input_hw[0], pw:pw + input_hw[1]]
 
 
