@@ -16,6 +16,12 @@ one thread (``megdiffusion.batch_threads``): the im2col copies run in parallel t
 matmuls are the same whatever the chunking, so results are bit-identical on any core count. Outputs and gradients equal MegEngine's up to float32 rounding
 (tests: 1e-5 relative).
 
+Only modules in training mode take the fast path; in eval mode (sampling, the EMA model) the forward is
+MegEngine's own kernel. While sampling with numpy forwards, MegEngine's interpreter twice failed an
+internal assertion (``DynamicSublinear::insert_candidate: got wrong candidate index``, in its worker
+thread) in 5 demo runs, at the 4th sampling batch; it was never seen in training and its cause was not
+found, so sampling stays on the path that never failed.
+
 The path is chosen per forward call: ``set_fast_conv(True/False/None)``; ``None`` (auto) means fast
 on CPU-only machines and MegEngine's native kernels when CUDA is available (cuDNN is fine).
 The environment variable ``MEGDIFFUSION_FAST_CONV=0/1`` sets the default at import.
@@ -200,7 +206,9 @@ class Conv2d(M.Conv2d):
 
     def forward(self, inp):
         # jit.trace cannot record a Function computed in numpy: traced code uses native kernels.
-        if is_tracing() or not (fast_conv_enabled() and self._fast_path_supported(inp)):
+        # Eval mode (sampling) keeps MegEngine's forward: see the module docstring.
+        if (is_tracing() or not self.training
+                or not (fast_conv_enabled() and self._fast_path_supported(inp))):
             return self.calc_conv(inp, self.weight, self.bias)
         function = _FastConv2d(tuple(self.stride), tuple(self.padding))
         if self.bias is None:
