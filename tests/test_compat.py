@@ -39,22 +39,21 @@ def test_user_settings_and_an_earlier_megengine_import_are_left_alone():
     assert run_python(too_late).stdout.strip().splitlines()[-1] == "None"
 
 
-CONV = ("print(Conv2d(2, 3, 3, padding=1)(mge.tensor(np.ones((2, 2, 5, 5), np.float32))).shape)")
+QUIET = "from megdiffusion.compat import quiet_megengine\nmge = quiet_megengine()\n"
+IMPORT_CONV = "from megdiffusion.nn.conv import Conv2d\n"
+
+
+def stderr_of_a_conv(imports):
+    """stderr of a process that runs ``imports`` and then one convolution."""
+    code = ("import numpy as np\n" + imports
+            + "print(Conv2d(2, 3, 3, padding=1)(mge.tensor(np.ones((2, 2, 5, 5), np.float32))).shape)")
+    result = run_python(code)
+    assert result.stdout.strip() == "(2, 3, 5, 5)"
+    return result.stderr
 
 
 def test_megengine_warning_about_the_spin_is_filtered():
-    code = ("import numpy as np\n"
-            "from megdiffusion.compat import quiet_megengine\n"
-            "mge = quiet_megengine()\n"
-            "from megdiffusion.nn.conv import Conv2d\n" + CONV)
-    result = run_python(code)
-    assert result.stdout.strip() == "(2, 3, 5, 5)"
-    assert result.stderr == ""
-    # MegEngine imported first (its import banner is its own), the first op's lines are still filtered.
-    code = ("import numpy as np\n"
-            "from megdiffusion.nn.conv import Conv2d\n"
-            "from megdiffusion.compat import quiet_megengine\n"
-            "mge = quiet_megengine()\n" + CONV)
-    result = run_python(code)
-    assert result.stdout.strip() == "(2, 3, 5, 5)"
-    assert "spin" not in result.stderr and "debug:" not in result.stderr, result.stderr
+    assert stderr_of_a_conv(QUIET + IMPORT_CONV) == ""
+    # MegEngine imported first (its import banner is its own): the first op's lines are still filtered.
+    stderr = stderr_of_a_conv(IMPORT_CONV + QUIET)
+    assert "spin" not in stderr and "debug:" not in stderr, stderr
