@@ -13,8 +13,8 @@ layer is an 8x8 average pool. Input: float32 NCHW RGB 299x299 in (x_uint8 - 128)
 
 Two interchangeable convolution routes compute ``conv + batch norm + ReLU``: MegEngine's ``conv2d``
 (``fast_cpu=False``), and on CPU by default im2col and one numpy matrix product per batch chunk over
-NHWC arrays, the chunks on one thread per core, several times faster than MegEngine's CPU kernels. Both are tested against the TorchScript
-original.
+NHWC arrays, the chunks on one thread per core, several times faster than MegEngine's CPU kernels.
+Both are tested against the TorchScript original.
 """
 import collections
 import hashlib

@@ -13,14 +13,15 @@ convolution is a ``megengine.autodiff.Function`` computed in numpy:
 
 The batch is split into contiguous chunks that run on one thread per core while OpenBLAS is held to
 one thread (``megdiffusion.batch_threads``): the im2col copies run in parallel too, and every sample's
-matmuls are the same whatever the chunking, so results are bit-identical on any core count. Outputs and gradients equal MegEngine's up to float32 rounding
-(tests: 1e-5 relative).
+matmuls are the same whatever the chunking, so results are bit-identical on any core count. Outputs
+and gradients equal MegEngine's up to float32 rounding (tests: 1e-5 relative).
 
 Only modules in training mode take the fast path; in eval mode (sampling, the EMA model) the forward is
 MegEngine's own kernel. While sampling with numpy forwards, MegEngine's interpreter twice failed an
 internal assertion (``DynamicSublinear::insert_candidate: got wrong candidate index``, in its worker
 thread) in 5 demo runs, at the 4th sampling batch; it was never seen in training and its cause was not
-found, so sampling stays on the path that never failed.
+found, so sampling stays on the path that never failed (training mode also covers sample grids of the
+trained model: they use the EMA copy, which is in eval mode).
 
 The path is chosen per forward call: ``set_fast_conv(True/False/None)``; ``None`` (auto) means fast
 on CPU-only machines and MegEngine's native kernels when CUDA is available (cuDNN is fine).
