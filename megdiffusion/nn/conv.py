@@ -20,8 +20,8 @@ Only modules in training mode take the fast path; in eval mode (sampling, the EM
 MegEngine's own kernel. While sampling with numpy forwards, MegEngine's interpreter twice failed an
 internal assertion (``DynamicSublinear::insert_candidate: got wrong candidate index``, in its worker
 thread) in 5 demo runs, at the 4th sampling batch; it was never seen in training and its cause was not
-found, so sampling stays on the path that never failed (training mode also covers sample grids of the
-trained model: they use the EMA copy, which is in eval mode).
+found, so sampling stays on the path that never failed (the sample grids drawn during training too:
+they use the EMA copy, which is in eval mode).
 
 The path is chosen per forward call: ``set_fast_conv(True/False/None)``; ``None`` (auto) means fast
 on CPU-only machines and MegEngine's native kernels when CUDA is available (cuDNN is fine).
