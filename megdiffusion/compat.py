@@ -2,7 +2,8 @@
 
 - ``quiet_megengine()``: import MegEngine without its CPU-mode banner and ``debug:`` lines.
 - ``limit_worker_spin()``: stop MegEngine's idle worker threads from busy-waiting on CPU-only machines.
-- ``cuda_available()``: the CUDA probe, minus the ``debug:`` lines it prints on CPU machines.
+- ``cuda_available()``: the CUDA probe, minus the ``debug:`` lines it prints on CPU machines;
+  ``cuda_driver_loadable()``: whether libcuda loads, without importing MegEngine.
 - ``assign_(param, value)``: overwrite a parameter in place (EMA, loading).
 """
 import contextlib
@@ -67,11 +68,17 @@ def limit_worker_spin():
     """
     if "megengine" in sys.modules or "MGB_WORKER_MAX_SPIN" in os.environ or "MGB_WORKER_NO_SLEEP" in os.environ:
         return
-    try:
-        ctypes.CDLL("libcuda.so.1")  # what MegEngine loads to find GPUs
-        return
-    except OSError:
+    if not cuda_driver_loadable():
         os.environ["MGB_WORKER_MAX_SPIN"] = WORKER_SPIN
+
+
+def cuda_driver_loadable():
+    """Whether the CUDA driver library (what MegEngine loads to find GPUs) loads, without MegEngine."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
 
 
 def quiet_megengine():

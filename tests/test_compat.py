@@ -1,20 +1,11 @@
 """compat.limit_worker_spin: MegEngine's workers stop busy-waiting on CPU-only machines, quietly."""
-import ctypes
 import os
 import subprocess
 import sys
 
-from megdiffusion.compat import WORKER_SPIN
+from megdiffusion.compat import WORKER_SPIN, cuda_driver_loadable
 
 SPIN_VARIABLES = ("MGB_WORKER_MAX_SPIN", "MGB_WORKER_NO_SLEEP")
-
-
-def cuda_driver_loadable():
-    try:
-        ctypes.CDLL("libcuda.so.1")
-        return True
-    except OSError:
-        return False
 
 
 def run_python(code, **env):
