@@ -1,10 +1,11 @@
 """megdiffusion: DDPM training, fast sampling and FID on MegEngine."""
 
-from megdiffusion.compat import limit_worker_spin
+from megdiffusion.compat import empty_dtr_candidates, limit_worker_spin
 
 __version__ = "0.1.0"
 
 limit_worker_spin()  # before any module of the package imports MegEngine
+empty_dtr_candidates()
 
 __all__ = ["UNet", "GaussianDiffusion", "make_beta_schedule"]
 

@@ -2,6 +2,8 @@
 
 - ``quiet_megengine()``: import MegEngine without its CPU-mode banner and ``debug:`` lines.
 - ``limit_worker_spin()``: stop MegEngine's idle worker threads from busy-waiting on CPU-only machines.
+- ``empty_dtr_candidates()`` (with ``quiet_megengine``): keep MegEngine's DTR candidate list empty, the
+  shared state of a race between ``Tensor.numpy()`` and MegEngine's worker thread.
 - ``cuda_available()``: the CUDA probe, minus the ``debug:`` lines it prints on CPU machines;
   ``cuda_driver_loadable()``: whether libcuda loads, without importing MegEngine.
 - ``assign_(param, value)``: overwrite a parameter in place (EMA, loading).
@@ -24,6 +26,17 @@ _NOISE = re.compile(
     r"|.*WRN worker would execute with spin of " + WORKER_SPIN + r"\b.*)$"
 )
 
+
+# MegEngine 1.13's interpreter puts every produced tensor above ``dtr_evictee_minimum_size`` (1 MiB by default)
+# in a vector of DTR (dynamic tensor rematerialisation) candidates, with DTR on or off. Its worker thread
+# inserts and erases entries as it produces and frees tensors; ``Tensor.numpy()`` (ChannelImpl::get_value)
+# erases and re-inserts the fetched tensor from the calling thread, under a lock the worker does not take.
+# While the worker is busy, the two threads edit the vector at once: wrong candidate indices ("insert_candidate:
+# got wrong candidate index", then "an input tensor is unusable due to previous error"), glibc heap aborts,
+# segfaults (benchmarks/megengine_candidate_race.py reproduces it with MegEngine alone). No tensor is that
+# large at this threshold, so the vector stays empty and nothing is shared. megdiffusion never enables DTR.
+DTR_THRESHOLD_ENV = "MEGENGINE_DTR_EVICTEE_MINIMUM_SIZE"
+NO_DTR_CANDIDATES = 1 << 62  # bytes
 
 _LIBC = ctypes.CDLL(None)
 _started = False  # quiet_megengine has imported MegEngine and run its first op
@@ -72,6 +85,33 @@ def limit_worker_spin():
         os.environ["MGB_WORKER_MAX_SPIN"] = WORKER_SPIN
 
 
+def empty_dtr_candidates():
+    """Keep MegEngine's DTR candidate list empty from the start: sets ``MEGENGINE_DTR_EVICTEE_MINIMUM_SIZE``.
+
+    Takes effect only before MegEngine is imported (``import megdiffusion`` calls it; ``quiet_megengine``
+    covers a MegEngine imported earlier). A value the user set is kept: DTR users accept the race above.
+    """
+    if "megengine" not in sys.modules and DTR_THRESHOLD_ENV not in os.environ:
+        os.environ[DTR_THRESHOLD_ENV] = str(NO_DTR_CANDIDATES)
+
+
+def _clear_dtr_candidates(megengine):
+    """``empty_dtr_candidates`` for a MegEngine that was imported first: raise the threshold, drop the list.
+
+    The worker is idle (synchronised) while the option changes and the list is cleared; entries left in the
+    list would point at tensors freed without being erased once the threshold is raised.
+    """
+    from megengine.core import get_option, set_option
+    from megengine.core._imperative_rt.core2 import clear_candidates
+
+    if DTR_THRESHOLD_ENV in os.environ or get_option("dtr_evictee_minimum_size") >= NO_DTR_CANDIDATES:
+        return
+    megengine._full_sync()
+    set_option("dtr_evictee_minimum_size", NO_DTR_CANDIDATES)
+    megengine._full_sync()  # the worker applies the option in order with its other commands
+    clear_candidates()
+
+
 def cuda_driver_loadable():
     """Whether the CUDA driver library (what MegEngine loads to find GPUs) loads, without MegEngine."""
     try:
@@ -87,7 +127,8 @@ def quiet_megengine():
     Only the known CPU-mode banner and ``debug: failed to load cuda func`` lines are dropped; any
     other output of the import (warnings, real errors) is written back to stderr.
     ``MEGDIFFUSION_VERBOSE=1`` turns the filter off. When MegEngine was imported before, the first
-    tensor op still runs here, filtered (it prints the CUDA probe's lines and the worker-spin warning).
+    tensor op still runs here, filtered (it prints the CUDA probe's lines and the worker-spin warning),
+    and the DTR candidate list is emptied (see ``empty_dtr_candidates``).
     """
     global _started
     if not _started:
@@ -95,6 +136,7 @@ def quiet_megengine():
             import megengine
             import megengine.distributed  # noqa: F401
 
+            _clear_dtr_candidates(megengine)
             megengine.tensor([0.0]).numpy()
         _started = True
     import megengine

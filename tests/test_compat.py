@@ -1,4 +1,4 @@
-"""compat.limit_worker_spin: MegEngine's workers stop busy-waiting on CPU-only machines, quietly."""
+"""compat: MegEngine settings applied at import (worker spin cap, empty DTR candidate list), quietly."""
 import os
 import subprocess
 import sys
@@ -48,3 +48,26 @@ def test_megengine_warning_about_the_spin_is_filtered():
     # MegEngine imported first (its import banner is its own): the first op's lines are still filtered.
     stderr = stderr_of_a_conv(IMPORT_CONV + QUIET)
     assert "spin" not in stderr and "debug:" not in stderr, stderr
+
+
+SHOW_DTR = ("import os, megdiffusion\nfrom megdiffusion.compat import quiet_megengine\nquiet_megengine()\n"
+            "from megengine.core import get_option\n"
+            "print(os.environ.get('MEGENGINE_DTR_EVICTEE_MINIMUM_SIZE'), get_option('dtr_evictee_minimum_size'))")
+
+
+def test_dtr_candidate_list_stays_empty_whatever_the_import_order():
+    """No tensor may enter MegEngine's DTR candidate list: Tensor.numpy() and the worker race on it."""
+    from megdiffusion.compat import NO_DTR_CANDIDATES
+
+    clean = {"MEGENGINE_DTR_EVICTEE_MINIMUM_SIZE": ""}
+    env = {key: value for key, value in os.environ.items() if key not in clean}
+    for code in (SHOW_DTR, "import megengine\n" + SHOW_DTR):
+        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        threshold = int(result.stdout.split()[-1])
+        assert threshold == NO_DTR_CANDIDATES, (code, result.stdout)
+
+
+def test_a_dtr_threshold_set_by_the_user_is_kept():
+    result = run_python(SHOW_DTR, MEGENGINE_DTR_EVICTEE_MINIMUM_SIZE="2048")
+    assert result.stdout.split() == ["2048", "2048"]
