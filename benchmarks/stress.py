@@ -40,7 +40,7 @@ def child(args):
     if args.dtr_threshold is not None:
         os.environ["MEGENGINE_DTR_EVICTEE_MINIMUM_SIZE"] = str(args.dtr_threshold)
     sys.path.insert(0, ROOT)
-    from megdiffusion.compat import quiet_megengine
+    from megdiffusion.compat import is_megengine_error, megengine_error_cause, quiet_megengine
 
     mge = quiet_megengine()
     mge.config.async_level = args.async_level
@@ -75,7 +75,8 @@ def child(args):
                                 "ddim", args.sample_steps, batch_size=args.sample_batch)
                 result["sample_calls"] += 1
     except Exception as error:  # noqa: BLE001 -- the harness reports whatever MegEngine raised
-        result["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+        result["error"] = (megengine_error_cause(error) if is_megengine_error(error)
+                           else f"{type(error).__name__}: {str(error).strip().splitlines()[0]}")
     result["seconds"] = round(time.monotonic() - start, 1)
     print(json.dumps(result), flush=True)
     os._exit(0)  # skip MegEngine's atexit handlers: after an error they raise again

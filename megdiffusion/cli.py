@@ -1,4 +1,5 @@
-"""What the command-line scripts share: one-line errors with exit code 2, for bad flags too."""
+"""What the command-line scripts share: one-line errors with exit code 2 for bad input (flags too), and
+exit code 1 for a failure of MegEngine itself."""
 import contextlib
 import sys
 
@@ -22,6 +23,22 @@ def one_line_errors(*error_types):
         yield
     except (UsageError,) + tuple(error_types) as exc:
         fail(str(exc))
+
+
+@contextlib.contextmanager
+def megengine_failures(how_to_continue):
+    """Turn an error MegEngine raised into one ``error:`` line (its first cause, what was kept, then
+    ``how_to_continue``) and exit code 1, instead of a C++ backtrace."""
+    from megdiffusion.compat import EngineFailure, is_megengine_error, megengine_error_cause
+
+    try:
+        yield
+    except RuntimeError as exc:
+        if isinstance(exc, EngineFailure):
+            fail(f"{exc}; {how_to_continue}", code=1)
+        if not is_megengine_error(exc):
+            raise
+        fail(f"MegEngine failed: {megengine_error_cause(exc)}; {how_to_continue}", code=1)
 
 
 def parse_flags(argv):

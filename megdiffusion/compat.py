@@ -7,6 +7,8 @@
 - ``cuda_available()``: the CUDA probe, minus the ``debug:`` lines it prints on CPU machines;
   ``cuda_driver_loadable()``: whether libcuda loads, without importing MegEngine.
 - ``assign_(param, value)``: overwrite a parameter in place (EMA, loading).
+- ``is_megengine_error(error)``, ``megengine_error_cause(error)``: recognise an error MegEngine raised and
+  name its first cause in one line.
 """
 import contextlib
 import ctypes
@@ -149,6 +151,50 @@ def cuda_available():
     megengine = quiet_megengine()
     with _filtered_stderr():
         return bool(megengine.is_cuda_available())
+
+
+# MegEngine's C++ errors read "<what> at /path/file.cpp:<line>: <signature>", then "extra message: ...",
+# then a backtrace. The asynchronous interpreter reports a worker's error later, as a different error
+# ("an input tensor is unusable due to previous error", or AsyncError "See above for the actual cause").
+_MEGENGINE_ASSERTION = re.compile(r"^(?P<what>.*?) at (?P<file>/\S+?):(?P<line>\d+)\b")
+_MEGENGINE_TEXT = re.compile(r"failed at /\S+:\d+|unusable due to previous error|async error is reported")
+
+
+class EngineFailure(RuntimeError):
+    """MegEngine failed while the project's own code was right (a MegEngine bug or a machine fault); the message
+    is one line: the first cause, and what was kept."""
+
+
+def is_megengine_error(error):
+    """Whether ``error`` was raised by MegEngine's core (a C++ assertion or an asynchronous worker error)."""
+    return isinstance(error, RuntimeError) and (type(error).__module__.startswith("megengine")
+                                                or bool(_MEGENGINE_TEXT.search(str(error))))
+
+
+def _deepest(error):
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    return error
+
+
+def megengine_error_cause(error):
+    """One line naming the first cause of an error MegEngine raised.
+
+    The first cause is the error the interpreter's worker kept back (a synchronisation rethrows it), else the
+    deepest error in ``error``'s chain. C++ file paths, signatures and backtraces are left out.
+    """
+    cause = _deepest(error)
+    megengine = sys.modules.get("megengine")
+    if megengine is not None:
+        try:
+            megengine._full_sync()
+        except Exception as stored:  # noqa: BLE001 -- whatever the worker kept is the first cause
+            cause = _deepest(stored)
+    lines = [line.strip() for line in str(cause).strip().splitlines() if line.strip()] or [type(cause).__name__]
+    match = _MEGENGINE_ASSERTION.match(lines[0])
+    text = f"{match['what']} ({os.path.basename(match['file'])}:{match['line']})" if match else lines[0]
+    extra = [line[len("extra message:"):].strip() for line in lines[1:3] if line.startswith("extra message:")]
+    return f"{text}: {extra[0]}" if extra and extra[0] else text
 
 
 def assign_(param, value):

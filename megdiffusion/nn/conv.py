@@ -17,11 +17,10 @@ matmuls are the same whatever the chunking, so results are bit-identical on any 
 and gradients equal MegEngine's up to float32 rounding (tests: 1e-5 relative).
 
 Only modules in training mode take the fast path; in eval mode (sampling, the EMA model) the forward is
-MegEngine's own kernel. While sampling with numpy forwards, MegEngine's interpreter twice failed an
-internal assertion (``DynamicSublinear::insert_candidate: got wrong candidate index``, in its worker
-thread) in 5 demo runs, at the 4th sampling batch; it was never seen in training and its cause was not
-found, so sampling stays on the path that never failed (the sample grids drawn during training too:
-they use the EMA copy, which is in eval mode).
+MegEngine's own kernel. The ``.numpy()`` calls here used to crash MegEngine's interpreter now and then
+(``insert_candidate: got wrong candidate index``; "an input tensor is unusable due to previous error"):
+a race inside MegEngine between ``Tensor.numpy()`` and its worker thread on the DTR candidate list, which
+``import megdiffusion`` keeps empty (``megdiffusion.compat.empty_dtr_candidates``).
 
 The path is chosen per forward call: ``set_fast_conv(True/False/None)``; ``None`` (auto) means fast
 on CPU-only machines and MegEngine's native kernels when CUDA is available (cuDNN is fine).

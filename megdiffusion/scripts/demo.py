@@ -96,7 +96,7 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
 
 
 def main(argv):
-    from megdiffusion.cli import UsageError, one_line_errors, reject_arguments
+    from megdiffusion.cli import UsageError, megengine_failures, one_line_errors, reject_arguments
 
     reject_arguments(argv)
     with one_line_errors():
@@ -111,7 +111,8 @@ def main(argv):
     from megdiffusion.training.checkpoint import CheckpointError
     from megdiffusion.training.config import ConfigError
 
-    with one_line_errors(ConfigError, DatasetError, CheckpointError, SamplingError):
+    with one_line_errors(ConfigError, DatasetError, CheckpointError, SamplingError), \
+            megengine_failures("continue with scripts/demo.sh --resume"):
         s = demo(FLAGS.output, FLAGS.minutes, FLAGS.resume, FLAGS.config or default_config(),
                  FLAGS.num_images, FLAGS.num_reference, FLAGS.sampler, FLAGS.steps, FLAGS.batch_size)
     print(f"\ndemo: {s['steps']} training steps ({s['steps_this_run']} in this run, {s['train_minutes']} min, "

@@ -10,7 +10,7 @@ import sys
 
 from absl import app, flags
 
-from megdiffusion.cli import UsageError, one_line_errors, parse_flags
+from megdiffusion.cli import UsageError, megengine_failures, one_line_errors, parse_flags
 from megdiffusion.compat import quiet_megengine
 
 FLAGS = flags.FLAGS
@@ -65,7 +65,8 @@ def main(argv):
     from megdiffusion.sampling import SamplingError
     from megdiffusion.training.checkpoint import CheckpointError
 
-    with one_line_errors(FIDError, WeightsError, SamplingError, CheckpointError):
+    with one_line_errors(FIDError, WeightsError, SamplingError, CheckpointError), \
+            megengine_failures("rerun the same command"):
         if FLAGS.ckpt:
             if len(paths) != 1:
                 raise UsageError(f"with --ckpt give one reference PATH (images or stats npz); got {len(paths)}")

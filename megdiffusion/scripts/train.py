@@ -10,7 +10,7 @@ import sys
 
 from absl import app, flags
 
-from megdiffusion.cli import fail, parse_flags, reject_arguments
+from megdiffusion.cli import fail, megengine_failures, parse_flags, reject_arguments
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.training import config
 from megdiffusion.training.config import define_flags
@@ -34,7 +34,8 @@ def main(argv):
 
     try:
         cfg, images = config_from_flags(FLAGS)
-        train(cfg, images)
+        with megengine_failures("continue with the same command and --resume"):
+            train(cfg, images)
     except (ConfigError, DatasetError, LoaderError, LaunchError, CheckpointError) as err:
         fail(err)
     except NonFiniteLossError as err:

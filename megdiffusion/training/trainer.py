@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from megdiffusion.compat import assign_, quiet_megengine
+from megdiffusion.compat import EngineFailure, assign_, is_megengine_error, megengine_error_cause, quiet_megengine
 from megdiffusion.data.datasets import load_dataset
 from megdiffusion.data.loader import BatchLoader
 from megdiffusion.images import save_png
@@ -194,14 +194,26 @@ class TrainingRun:
         cfg = self.cfg
         while (self.trainer.step_count < cfg.total_steps and self.stop_signal is None
                and (self.deadline is None or time.monotonic() < self.deadline)):
-            start = time.perf_counter()
-            metrics = self.trainer.step(self.loader.next_batch())
-            metrics["images_per_s"] = cfg.batch_size / (time.perf_counter() - start)
-            self.maintenance(metrics)
+            try:
+                start = time.perf_counter()
+                metrics = self.trainer.step(self.loader.next_batch())
+                metrics["images_per_s"] = cfg.batch_size / (time.perf_counter() - start)
+                self.maintenance(metrics)
+            except RuntimeError as error:
+                if not is_megengine_error(error):
+                    raise
+                raise EngineFailure(self._failure_message(error)) from None
         self.save()
         if self.stop_signal is not None and self.logger is not None:
             self.logger.message(f"stopped by signal {self.stop_signal} at step {self.trainer.step_count}; "
                                 f"checkpoint saved in {ckpt.checkpoint_dir(cfg.logdir)}")
+
+    def _failure_message(self, error):
+        """One line for a MegEngine failure: its first cause and the checkpoint a resumed run starts from."""
+        step = self.trainer.step_count
+        kept = ckpt.list_checkpoints(self.cfg.logdir)
+        saved = f"the newest checkpoint, {kept[-1]}, is intact" if kept else "no checkpoint had been written yet"
+        return f"MegEngine failed at training step {step + 1}: {megengine_error_cause(error)}; {saved}"
 
     def maintenance(self, metrics):
         """Per-step bookkeeping after an update: progress, metrics, sample grid, checkpoint (rank 0)."""
