@@ -1,13 +1,18 @@
 """Checkpoint files: atomic writes, rotation, corrupt-file fallback, rebuilding a model for sampling."""
 import os
 import pickle
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from megdiffusion.compat import quiet_megengine
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training.config import TrainConfig
 from megdiffusion.training.trainer import TrainingRun
+
+mge = quiet_megengine()
 
 
 def fake_state(step):
@@ -115,3 +120,23 @@ def test_load_model_for_sampling_rebuilds_the_ema_network(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ckpt.CheckpointError, match="no checkpoints"):
         ckpt.load_model_for_sampling(str(tmp_path / "empty"))
+
+
+OLD_RUN = Path(__file__).parent / "fixtures" / "checkpoint_9323ffd"
+
+
+def test_a_checkpoint_written_at_9323ffd_loads_for_sampling_and_resumes(tmp_path):
+    expected = np.load(OLD_RUN / "expected.npz")
+    model, _, config, step = ckpt.load_model_for_sampling(str(OLD_RUN))
+    assert step == 2 and config["model_channels"] == 4 and config["image_channels"] == 1
+    out = model(mge.tensor(expected["x"]), mge.tensor(expected["t"])).numpy()
+    np.testing.assert_allclose(out, expected["ema_out"], rtol=1e-5, atol=1e-6)
+
+    logdir = tmp_path / "run"
+    shutil.copytree(OLD_RUN / "checkpoints", logdir / "checkpoints")
+    cfg = TrainConfig.from_dict(config).replace(logdir=str(logdir), total_steps=3, resume=True)
+    run = TrainingRun(cfg, expected["images"], progress=False)
+    assert run.resume() == ckpt.checkpoint_path(str(logdir), 2)
+    assert run.loader.state_dict() == {"epoch": 0, "position": 8}
+    loss = run.trainer.step(run.loader.next_batch())["loss"]
+    assert loss == pytest.approx(float(expected["next_loss"]), rel=1e-5)
