@@ -5,8 +5,10 @@ import sys
 
 from absl import flags
 
+from megdiffusion.errors import MegdiffusionError
 
-class UsageError(ValueError):
+
+class UsageError(MegdiffusionError):
     """Bad command-line input; the message is one line that says what to fix."""
 
 
@@ -17,12 +19,12 @@ def fail(message, code=2):
 
 
 @contextlib.contextmanager
-def one_line_errors(*error_types):
-    """Turn the given exception types (and UsageError) into one ``error:`` line and exit code 2."""
+def one_line_errors():
+    """Report a ``MegdiffusionError`` raised in the block as one ``error:`` line and exit with its code."""
     try:
         yield
-    except (UsageError,) + tuple(error_types) as exc:
-        fail(str(exc))
+    except MegdiffusionError as err:
+        fail(err, err.exit_code)
 
 
 @contextlib.contextmanager

@@ -17,6 +17,8 @@ import re
 import sys
 import tempfile
 
+from megdiffusion.errors import MegdiffusionError
+
 # MegEngine's worker threads busy-wait for their next op for up to ~5 ms (SCQueueSynchronizer::max_spin,
 # calibrated at start-up) before sleeping; MGB_WORKER_MAX_SPIN caps the spin in loop iterations.
 WORKER_SPIN = "1000"
@@ -160,9 +162,11 @@ _MEGENGINE_ASSERTION = re.compile(r"^(?P<what>.*?) at (?P<file>/\S+?):(?P<line>\
 _MEGENGINE_TEXT = re.compile(r"failed at /\S+:\d+|unusable due to previous error|async error is reported")
 
 
-class EngineFailure(RuntimeError):
+class EngineFailure(MegdiffusionError, RuntimeError):
     """MegEngine failed while the project's own code was right (a MegEngine bug or a machine fault); the message
     is one line: the first cause, and what was kept."""
+
+    exit_code = 1
 
 
 def is_megengine_error(error):

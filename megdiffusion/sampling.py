@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import save_npz, write_text
 from megdiffusion.images import make_grid, read_image, save_png, to_uint8
 
@@ -17,7 +18,7 @@ MANIFEST = "manifest.json"
 SAMPLERS = ("ddpm", "ddim")
 
 
-class SamplingError(ValueError):
+class SamplingError(MegdiffusionError):
     """Bad sampling input; the message is one line that says what to fix."""
 
 

@@ -11,12 +11,14 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from megdiffusion.errors import MegdiffusionError
+
 ASSETS = Path(__file__).parent / "assets"
 EMBEDDED_IMAGES = ASSETS / "t10k-images-idx3-ubyte.gz"
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 
 
-class DatasetError(ValueError):
+class DatasetError(MegdiffusionError):
     """Bad dataset input; the message is one line that says what is wrong and how to fix it."""
 
 

@@ -7,10 +7,11 @@ global batch from ``default_rng([seed, 1, e, position])``. The whole state is ``
 """
 import numpy as np
 
+from megdiffusion.errors import MegdiffusionError
 from megdiffusion.images import to_float
 
 
-class LoaderError(ValueError):
+class LoaderError(MegdiffusionError):
     """A batch size that cannot be served; the message is one line."""
 
 

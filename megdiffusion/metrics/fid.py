@@ -16,12 +16,13 @@ import zipfile
 
 import numpy as np
 
+from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import save_npz
 
 INPUT_SIZE = 299
 
 
-class FIDError(ValueError):
+class FIDError(MegdiffusionError):
     """Bad FID input (images, statistics files, sources); the message is one line saying what to fix."""
 
 
@@ -212,8 +213,6 @@ def load_statistics(path):
                 raise FIDError(f"{path} has no 'mu' and 'sigma' arrays (keys: {', '.join(npz.files)})")
             mu, sigma = npz["mu"].astype(np.float64), npz["sigma"].astype(np.float64)
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
-        if isinstance(exc, FIDError):
-            raise
         raise FIDError(f"cannot read statistics {path}: {exc}") from None
     if mu.ndim != 1 or sigma.shape != (len(mu), len(mu)):
         raise FIDError(f"{path}: mu must be (D,) and sigma (D, D), got {mu.shape} and {sigma.shape}")

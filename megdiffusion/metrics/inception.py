@@ -28,6 +28,7 @@ import numpy as np
 
 from megdiffusion.batch_threads import for_batch_chunks
 from megdiffusion.compat import quiet_megengine
+from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import save_npz
 
 quiet_megengine()
@@ -45,7 +46,7 @@ FEATURE_DIM = 2048
 _IM2COL_VALUES = 1 << 23  # float32 values per im2col chunk (32 MiB)
 
 
-class WeightsError(Exception):
+class WeightsError(MegdiffusionError):
     """The Inception weights are missing or unreadable (one-line message)."""
 
 

@@ -99,20 +99,14 @@ def main(argv):
     from megdiffusion.cli import UsageError, megengine_failures, one_line_errors, reject_arguments
 
     reject_arguments(argv)
-    with one_line_errors():
+    with one_line_errors(), megengine_failures("continue with scripts/demo.sh --resume"):
         if FLAGS.minutes <= 0 or FLAGS.num_images < 2 or FLAGS.num_reference < 2:
             raise UsageError("--minutes must be > 0, --num_images and --num_reference at least 2")
         prepare_output(FLAGS.output, FLAGS.resume)
-    # Caches (MegEngine's, the converted Inception weights) go under --output too: nothing is written elsewhere.
-    os.environ["XDG_CACHE_HOME"] = os.path.abspath(os.path.join(FLAGS.output, "cache"))
-    quiet_megengine()
-    from megdiffusion.data.datasets import DatasetError
-    from megdiffusion.sampling import SamplingError
-    from megdiffusion.training.checkpoint import CheckpointError
-    from megdiffusion.training.config import ConfigError
-
-    with one_line_errors(ConfigError, DatasetError, CheckpointError, SamplingError), \
-            megengine_failures("continue with scripts/demo.sh --resume"):
+        # Caches (MegEngine's, the converted Inception weights) go under --output too: nothing is written
+        # elsewhere.
+        os.environ["XDG_CACHE_HOME"] = os.path.abspath(os.path.join(FLAGS.output, "cache"))
+        quiet_megengine()
         s = demo(FLAGS.output, FLAGS.minutes, FLAGS.resume, FLAGS.config or default_config(),
                  FLAGS.num_images, FLAGS.num_reference, FLAGS.sampler, FLAGS.steps, FLAGS.batch_size)
     print(f"\ndemo: {s['steps']} training steps ({s['steps_this_run']} in this run, {s['train_minutes']} min, "

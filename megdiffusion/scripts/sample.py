@@ -60,9 +60,8 @@ def main(argv):
     from megdiffusion import sampling
     from megdiffusion.cli import UsageError, megengine_failures, one_line_errors
     from megdiffusion.compat import cuda_available
-    from megdiffusion.training.checkpoint import CheckpointError
 
-    with one_line_errors(sampling.SamplingError, CheckpointError), \
+    with one_line_errors(), \
             megengine_failures("the images written so far are kept: rerun the same command to continue"):
         if not FLAGS.ckpt or not FLAGS.output:
             raise UsageError("--ckpt and --output are required")

@@ -10,7 +10,7 @@ import sys
 
 from absl import app, flags
 
-from megdiffusion.cli import fail, megengine_failures, parse_flags, reject_arguments
+from megdiffusion.cli import megengine_failures, one_line_errors, parse_flags, reject_arguments
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.training import config
 from megdiffusion.training.config import define_flags
@@ -25,21 +25,13 @@ DEFAULT_FLAGFILE = os.path.join(PACKAGE_DIR, "configs", "fashion_mnist_cpu.cfg")
 def main(argv):
     reject_arguments(argv)
     quiet_megengine()
-    from megdiffusion.data.datasets import DatasetError
-    from megdiffusion.data.loader import LoaderError
-    from megdiffusion.training.checkpoint import CheckpointError
-    from megdiffusion.training.config import ConfigError, config_from_flags
-    from megdiffusion.training.distributed import LaunchError
-    from megdiffusion.training.trainer import NonFiniteLossError, train
+    from megdiffusion.training.config import config_from_flags
+    from megdiffusion.training.trainer import train
 
-    try:
+    with one_line_errors():
         cfg, images = config_from_flags(FLAGS)
         with megengine_failures("continue with the same command and --resume"):
             train(cfg, images)
-    except (ConfigError, DatasetError, LoaderError, LaunchError, CheckpointError) as err:
-        fail(err)
-    except NonFiniteLossError as err:
-        fail(err, code=1)
 
 
 def with_default_flagfile(argv):

@@ -13,6 +13,7 @@ import pickle
 import re
 import sys
 
+from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import atomic_write
 
 CHECKPOINT_DIR = "checkpoints"
@@ -20,7 +21,7 @@ REQUIRED_KEYS = ("step", "config", "model", "ema", "optimizer", "loader")
 _NAME = re.compile(r"^ckpt_(\d+)\.pkl$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(MegdiffusionError):
     """A missing, unreadable or incomplete checkpoint; the message is one line."""
 
 

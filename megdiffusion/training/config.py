@@ -10,8 +10,10 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Optional, Tuple
 
+from megdiffusion.errors import MegdiffusionError
 
-class ConfigError(ValueError):
+
+class ConfigError(MegdiffusionError):
     """A bad flag or flag combination; the message is one line saying what to change."""
 
 

@@ -8,10 +8,12 @@ The workers are started with the "spawn" method: the parent has already created 
 checks, the CUDA probe), and a CUDA context does not survive ``fork``.
 """
 import multiprocessing
+
 from megdiffusion.compat import cuda_available, quiet_megengine
+from megdiffusion.errors import MegdiffusionError
 
 
-class LaunchError(RuntimeError):
+class LaunchError(MegdiffusionError):
     """Distributed settings this machine cannot run; the message is one line."""
 
 

@@ -14,6 +14,7 @@ import numpy as np
 from megdiffusion.compat import EngineFailure, assign_, is_megengine_error, megengine_error_cause, quiet_megengine
 from megdiffusion.data.datasets import load_dataset
 from megdiffusion.data.loader import BatchLoader
+from megdiffusion.errors import MegdiffusionError
 from megdiffusion.images import save_png
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
@@ -29,8 +30,10 @@ RECIPE_FIELDS = ("image_size", "image_channels", "model_channels", "channel_mult
                  "attention_resolutions", "norm_groups", "num_timesteps", "beta_schedule", "mean_type", "var_type")
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(MegdiffusionError):
     """The loss or gradient norm became NaN/inf; the model was not updated."""
+
+    exit_code = 1  # the input was fine; the run diverged
 
 
 def warmup_lr(cfg, step):

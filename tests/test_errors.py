@@ -1,0 +1,45 @@
+"""One base class under every error megdiffusion reports, and the scripts' one-line handler."""
+import importlib
+import inspect
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+
+import megdiffusion
+from megdiffusion.cli import UsageError, one_line_errors
+from megdiffusion.errors import MegdiffusionError
+
+
+def library_modules():
+    """Every module of the package but the scripts (each defines absl flags on the global FLAGS)."""
+    for info in pkgutil.walk_packages(megdiffusion.__path__, "megdiffusion."):
+        if not info.name.startswith("megdiffusion.scripts"):
+            yield importlib.import_module(info.name)
+
+
+def test_every_error_class_derives_from_the_base():
+    errors = [obj for module in library_modules() for obj in vars(module).values()
+              if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == module.__name__]
+    assert len(errors) >= 10, errors
+    assert [error for error in errors if not issubclass(error, MegdiffusionError)] == []
+
+
+def test_the_base_and_the_handler_import_without_megengine():
+    code = "import sys, megdiffusion.errors, megdiffusion.cli; assert 'megengine' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_one_line_errors_print_one_line_and_exit_with_the_error_code(capsys):
+    from megdiffusion.training.trainer import NonFiniteLossError
+
+    for error, code in ((UsageError("bad flag"), 2), (NonFiniteLossError("loss is nan"), 1)):
+        with pytest.raises(SystemExit) as exit_info:
+            with one_line_errors():
+                raise error
+        assert exit_info.value.code == code
+        assert capsys.readouterr().err == f"error: {error}\n"
+    with pytest.raises(KeyError):  # anything else is a bug: its traceback is kept
+        with one_line_errors():
+            raise KeyError("x")
