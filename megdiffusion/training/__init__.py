@@ -1,1 +1,2 @@
-"""Training: config (``TrainConfig``), ``Trainer`` and the loop, checkpoints, distributed launch, logging."""
+"""Training: config (``TrainConfig``), ``Trainer`` and the loop, checkpoints, distributed launch, and the
+run's outputs (``outputs``: metrics, sample grids, run files)."""

@@ -19,7 +19,7 @@ from megdiffusion.images import save_png
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
 from megdiffusion.training.config import TrainConfig, build_diffusion, build_model
-from megdiffusion.training.logging import RunLogger, grid_path, sample_grid, write_run_files
+from megdiffusion.training.outputs import RunLogger, grid_path, sample_grid, write_run_files
 
 mge = quiet_megengine()
 from megengine.autodiff import GradManager  # noqa: E402
