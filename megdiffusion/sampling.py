@@ -15,7 +15,6 @@ from megdiffusion.fileio import save_npz, write_text
 from megdiffusion.images import make_grid, read_image, save_png, to_uint8
 
 MANIFEST = "manifest.json"
-SAMPLERS = ("ddpm", "ddim")
 
 
 class SamplingError(MegdiffusionError):
@@ -27,12 +26,12 @@ def image_seed(seed, index):
     return (int(seed) << 32) + int(index)
 
 
-def check_sampler(diffusion, sampler, steps):
-    """Raise SamplingError unless ``sampler`` is known and 1 <= steps <= T (None means T)."""
-    if sampler not in SAMPLERS:
-        raise SamplingError(f"unknown sampler {sampler!r}; choose one of: {', '.join(SAMPLERS)}")
-    if steps is not None and not 1 <= steps <= diffusion.num_timesteps:
-        raise SamplingError(f"--steps must be between 1 and T={diffusion.num_timesteps}, got {steps}")
+def check_sampler(diffusion, sampler, steps, eta=0.0):
+    """``diffusion.check_sampling`` for the scripts, before any work: ``SamplingError`` instead of ValueError."""
+    try:
+        diffusion.check_sampling(sampler, steps, eta)
+    except ValueError as err:
+        raise SamplingError(str(err)) from None
 
 
 def generate_images(model, diffusion, image_shape, indices, seed, sampler="ddpm", steps=None, eta=0.0,
@@ -41,7 +40,7 @@ def generate_images(model, diffusion, image_shape, indices, seed, sampler="ddpm"
 
     ``image_shape`` is (C, H, W); ``progress`` is an optional tqdm bar advanced per image.
     """
-    check_sampler(diffusion, sampler, steps)
+    check_sampler(diffusion, sampler, steps, eta)
     indices = list(indices)
     out = []
     for start in range(0, len(indices), batch_size):

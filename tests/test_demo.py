@@ -54,6 +54,6 @@ def test_demo_refuses_a_directory_it_did_not_make(tmp_path):
 def test_demo_checks_the_sampler_before_training(tmp_path):
     home, output = tmp_path / "home", tmp_path / "out"
     home.mkdir()
-    result = run_demo(output, home, "--sampler=euler")
-    assert result.returncode == 2 and "unknown sampler" in result.stderr
+    result = run_demo(output, home, "--steps=1001")  # the recipe's T is 1000
+    assert result.returncode == 2 and "steps must be an integer between 1 and T=1000" in result.stderr
     assert not (output / "train").exists()

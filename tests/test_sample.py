@@ -112,7 +112,7 @@ def test_cli_writes_pngs_grid_npz_and_refuses_other_settings(logdir, tmp_path):
 @pytest.mark.parametrize("case, message", [
     ("missing", "no checkpoint file"),
     ("corrupt", "cannot read checkpoint"),
-    ("sampler", "unknown sampler"),
+    ("sampler", "--sampler=euler: value should be one of <ddpm|ddim>"),
     ("steps", "between 1 and T=40"),
     ("output_file", "is a file"),
 ])

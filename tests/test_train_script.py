@@ -108,7 +108,7 @@ def test_sigterm_saves_a_loadable_checkpoint(tmp_path, npz_data):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--dataset=imagenet"], "unknown dataset 'imagenet'"),
+    (["--dataset=imagenet"], "--dataset=imagenet: value should be one of <fashion_mnist|cifar10|"),
     (["--dataset=npz", "--data_path=/nonexistent/data.npz"], "does not exist"),
     (["--dataset=folder", "--data_path={empty}", "--image_size=28"], "no images"),
     (["--image_size=30"], "must be divisible by"),

@@ -1,5 +1,16 @@
-"""Gaussian diffusion: beta schedules, the DDPM maths, DDPM and DDIM samplers."""
-from megdiffusion.diffusion.gaussian import MEAN_TYPES, SAMPLERS, VAR_TYPES, GaussianDiffusion
-from megdiffusion.diffusion.schedules import SCHEDULES, make_beta_schedule
+"""Gaussian diffusion: beta schedules, the DDPM maths, DDPM and DDIM samplers.
 
-__all__ = ["GaussianDiffusion", "make_beta_schedule", "MEAN_TYPES", "VAR_TYPES", "SAMPLERS", "SCHEDULES"]
+The names each part accepts are in ``choices`` and ``schedules.SCHEDULES``; neither imports MegEngine.
+"""
+from megdiffusion.diffusion.schedules import make_beta_schedule
+
+__all__ = ["GaussianDiffusion", "make_beta_schedule"]
+
+
+def __getattr__(name):
+    # Lazy, so that importing the names above does not load MegEngine.
+    if name == "GaussianDiffusion":
+        from megdiffusion.diffusion.gaussian import GaussianDiffusion
+
+        return GaussianDiffusion
+    raise AttributeError(f"module 'megdiffusion.diffusion' has no attribute {name!r}")

@@ -11,10 +11,7 @@ import megengine.functional as F
 from megengine import Tensor
 
 from megdiffusion.diffusion import samplers
-
-MEAN_TYPES = ("eps", "xstart", "xprev")  # what the model predicts: the noise, x_0 or the mean of x_{t-1}
-VAR_TYPES = ("fixedlarge", "fixedsmall")  # sampling variance: beta_t or the posterior variance
-SAMPLERS = ("ddpm", "ddim")
+from megdiffusion.diffusion.choices import MEAN_TYPES, SAMPLERS, VAR_TYPES
 
 # Arrays gathered per sample at timestep t (moved to float32 tensors once).
 _PER_SAMPLE = (
@@ -158,6 +155,14 @@ class GaussianDiffusion:
         betas = 1.0 - alphas_cumprod / np.append(1.0, alphas_cumprod[:-1])
         return GaussianDiffusion(betas, self.mean_type, self.var_type)
 
+    def check_sampling(self, sampler, steps=None, eta=0.0):
+        """Raise ValueError (one line) unless ``sample`` accepts this sampler, step count and eta."""
+        if sampler not in SAMPLERS:
+            raise ValueError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
+        if eta < 0 or (eta and sampler != "ddim"):
+            raise ValueError(f"eta must be >= 0 and is only used by the ddim sampler, got eta={eta}")
+        samplers.timestep_subsequence(self.num_timesteps, steps)
+
     def sample(self, model, shape, sampler="ddpm", steps=None, eta=0.0, noise=None, clip_denoised=True,
                progress=False, seeds=None):
         """Generate a float32 (N, ...) tensor of samples in [-1, 1].
@@ -170,10 +175,7 @@ class GaussianDiffusion:
             ``np.random.default_rng(seeds[j])``, so an image does not depend on its batch.
         The model always receives the original timesteps, and is run in eval mode (dropout off).
         """
-        if sampler not in SAMPLERS:
-            raise ValueError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
-        if eta < 0 or (eta and sampler != "ddim"):
-            raise ValueError(f"eta must be >= 0 and is only used by the ddim sampler, got eta={eta}")
+        self.check_sampling(sampler, steps, eta)
         timesteps = samplers.timestep_subsequence(self.num_timesteps, steps)
         shape = tuple(int(s) for s in shape)
         draw_noise = _noise_source(shape, noise, seeds)

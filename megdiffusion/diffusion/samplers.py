@@ -17,7 +17,7 @@ def timestep_subsequence(num_timesteps, steps=None):
     if steps is None:
         steps = num_timesteps
     if int(steps) != steps or not 1 <= steps <= num_timesteps:
-        raise ValueError(f"steps must be an integer in 1..{num_timesteps}, got {steps}")
+        raise ValueError(f"steps must be an integer between 1 and T={num_timesteps}, got {steps}")
     steps = int(steps)
     return np.arange(0, num_timesteps, num_timesteps // steps)[:steps]
 

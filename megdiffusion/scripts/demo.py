@@ -15,6 +15,7 @@ import time
 from absl import app, flags
 
 from megdiffusion.compat import quiet_megengine
+from megdiffusion.diffusion.choices import SAMPLERS
 from megdiffusion.fileio import save_npz, write_text
 
 FLAGS = flags.FLAGS
@@ -25,7 +26,7 @@ flags.DEFINE_string("config", None, "Training flagfile (default: the package's f
 flags.DEFINE_integer("num_images", 500, "EMA samples for FID (the real-vs-real floor depends on this count).")
 flags.DEFINE_integer("num_reference", 1000, "Embedded images (the first N) whose statistics are the FID "
                      "reference; computed once and kept in --output.")
-flags.DEFINE_string("sampler", "ddim", "Sampler for the grid and FID samples: ddim or ddpm.")
+flags.DEFINE_enum("sampler", "ddim", SAMPLERS, "Sampler for the grid and FID samples.")
 flags.DEFINE_integer("steps", 50, "Sampling steps for the grid and FID samples.")
 flags.DEFINE_integer("batch_size", 100, "Sampling and Inception batch size.")
 

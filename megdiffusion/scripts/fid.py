@@ -12,6 +12,7 @@ from absl import app, flags
 
 from megdiffusion.cli import UsageError, megengine_failures, one_line_errors, parse_flags
 from megdiffusion.compat import quiet_megengine
+from megdiffusion.diffusion.choices import SAMPLERS
 
 FLAGS = flags.FLAGS
 flags.DEFINE_boolean("save_stats", False, "Write the statistics of PATH to OUT.npz instead of computing FID.")
@@ -24,7 +25,7 @@ flags.DEFINE_boolean("progress", True, "Show a progress bar with images/s on std
 flags.DEFINE_string("ckpt", None, "Score a model: sample --num_images from this checkpoint (file or logdir) "
                     "and compare them with the one PATH given.")
 flags.DEFINE_bool("ema", True, "With --ckpt: sample with the EMA weights (--noema: raw weights).")
-flags.DEFINE_string("sampler", "ddim", "With --ckpt: ddpm or ddim.")
+flags.DEFINE_enum("sampler", "ddim", SAMPLERS, "With --ckpt: the sampler.")
 flags.DEFINE_integer("steps", 50, "With --ckpt: sampling steps.")
 flags.DEFINE_float("eta", 0.0, "With --ckpt: DDIM eta.")
 flags.DEFINE_integer("seed", 0, "With --ckpt: image i of the samples depends only on (seed, i).")
@@ -49,7 +50,7 @@ def model_fid(reference_spec):
     if not FLAGS.num_images:
         raise UsageError("--ckpt needs --num_images (how many samples to score; papers use 50,000)")
     model, diffusion, config, step = load_model_for_sampling(FLAGS.ckpt, ema=FLAGS.ema)
-    check_sampler(diffusion, FLAGS.sampler, FLAGS.steps)
+    check_sampler(diffusion, FLAGS.sampler, FLAGS.steps, FLAGS.eta)
     reference = _statistics(reference_spec)
     shape = (config["image_channels"], config["image_size"], config["image_size"])
     value, _ = score(model, diffusion, shape, reference, FLAGS.num_images, FLAGS.seed, FLAGS.sampler, FLAGS.steps,

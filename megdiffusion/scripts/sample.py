@@ -11,11 +11,12 @@ from absl import app, flags
 
 from megdiffusion.cli import parse_flags
 from megdiffusion.compat import quiet_megengine
+from megdiffusion.diffusion.choices import SAMPLERS
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("ckpt", None, "Checkpoint file, or a logdir whose newest valid checkpoint is used.")
 flags.DEFINE_bool("ema", True, "Use the EMA weights (--noema: the raw training weights).")
-flags.DEFINE_string("sampler", "ddpm", "ddpm (ancestral) or ddim.")
+flags.DEFINE_enum("sampler", "ddpm", SAMPLERS, "Ancestral DDPM (respaced for fewer steps) or DDIM.")
 flags.DEFINE_integer("steps", None, "Denoising steps (default: T). Fewer steps use range(0, T, T // steps).")
 flags.DEFINE_float("eta", 0.0, "DDIM eta: 0 is deterministic DDIM, 1 adds DDPM-like noise.")
 flags.DEFINE_integer("num_images", 64, "How many images to write (000000.png ...).")
@@ -32,7 +33,7 @@ def load():
     from megdiffusion.training.checkpoint import load_model_for_sampling
 
     model, diffusion, config, step = load_model_for_sampling(FLAGS.ckpt, ema=FLAGS.ema)
-    sampling.check_sampler(diffusion, FLAGS.sampler, FLAGS.steps)
+    sampling.check_sampler(diffusion, FLAGS.sampler, FLAGS.steps, FLAGS.eta)
     image_shape = (config["image_channels"], config["image_size"], config["image_size"])
     settings = {"checkpoint": os.path.abspath(FLAGS.ckpt), "step": step, "ema": FLAGS.ema,
                 "sampler": FLAGS.sampler, "steps": FLAGS.steps, "eta": FLAGS.eta, "seed": FLAGS.seed}

@@ -1,78 +1,94 @@
-"""The training configuration: one typed dataclass, its validation, and the model/diffusion it builds.
+"""The training configuration: one typed dataclass, its flags and checks, and the model/diffusion it builds.
 
-Every field except ``image_channels`` is a command-line flag of the same name (see
-``define_flags``). ``image_channels`` and, when not given, ``image_size`` are read from the dataset.
-The config travels inside every checkpoint (``to_dict``/``from_dict``), so sampling rebuilds the
-network without retyped flags.
+Every field except ``image_channels`` is a command-line flag of the same name (see ``define_flags``).
+A field's metadata holds its help text, its choices and its bounds: ``define_flags`` turns choices into
+``DEFINE_enum`` flags (so ``--help`` lists them) and ``validate`` checks them all in one loop.
+``image_channels`` and, when not given, ``image_size`` are read from the dataset. The config travels
+inside every checkpoint (``to_dict``/``from_dict``), so sampling rebuilds the network without retyped flags.
 """
 import dataclasses
 import json
+import operator
 from dataclasses import dataclass, field, fields
 from typing import Optional, Tuple
 
+from megdiffusion.data.datasets import DATASETS
+from megdiffusion.diffusion.choices import MEAN_TYPES, SAMPLERS, VAR_TYPES
+from megdiffusion.diffusion.schedules import SCHEDULES
 from megdiffusion.errors import MegdiffusionError
+
+# Bound keywords of ``_flag``: (name, how it reads, the test a value must pass).
+_BOUNDS = (("min", ">=", operator.ge), ("above", ">", operator.gt), ("max", "<=", operator.le),
+           ("below", "<", operator.lt))
 
 
 class ConfigError(MegdiffusionError):
     """A bad flag or flag combination; the message is one line saying what to change."""
 
 
-def _flag(default, help_text, **kwargs):
-    return field(default=default, metadata={"help": help_text, **kwargs})
+def _flag(default, help_text, **metadata):
+    """A config field: ``choices`` (allowed values), bounds ``min``/``max`` (inclusive) and ``above``/``below``
+    (exclusive), ``flag=False`` for a field that is not a command-line flag."""
+    return field(default=default, metadata={"help": help_text, **metadata})
 
 
 @dataclass
 class TrainConfig:
-    """Everything that defines a training run. Defaults are the DDPM CIFAR-10 recipe's values."""
+    """Everything that defines a training run. The model, diffusion and optimiser defaults are the DDPM
+    CIFAR-10 recipe's (``configs/cifar10.cfg``); the data default is the embedded Fashion-MNIST split."""
 
     # Data
-    dataset: str = _flag("fashion_mnist", "Dataset name: fashion_mnist, cifar10, folder or npz.")
+    dataset: str = _flag("fashion_mnist", "The embedded Fashion-MNIST split (or its idx files), CIFAR-10's "
+                         "python batches, a folder of images, or an npz of uint8 NHWC images.", choices=DATASETS)
     data_path: Optional[str] = _flag(None, "Dataset location (directory or file); embedded data if unset.")
-    image_size: Optional[int] = _flag(None, "Image size; unset = the dataset's size (required for folder).")
+    image_size: Optional[int] = _flag(None, "Image size; unset = the dataset's size (required for folder).", min=1)
     random_flip: bool = _flag(True, "Random horizontal flips of training images.")
     image_channels: int = _flag(3, "Read from the dataset (1 gray, 3 RGB); not a flag.", flag=False)
     # Model (improved-diffusion's names)
-    model_channels: int = _flag(128, "UNet base channel count.")
+    model_channels: int = _flag(128, "UNet base channel count.", min=1)
     channel_mult: Tuple[int, ...] = _flag((1, 2, 2, 2), "Channel multiplier per resolution level.")
-    num_res_blocks: int = _flag(2, "Residual blocks per resolution level.")
+    num_res_blocks: int = _flag(2, "Residual blocks per resolution level.", min=1)
     attention_resolutions: Tuple[int, ...] = _flag((16,), "Resolutions (pixels) with self-attention.")
-    dropout: float = _flag(0.1, "Dropout rate in the residual blocks.")
+    dropout: float = _flag(0.1, "Dropout rate in the residual blocks.", min=0, below=1)
     norm_groups: int = _flag(32, "GroupNorm groups (Ho: 32); small models need fewer, see the CPU recipe.")
     # Diffusion
     num_timesteps: int = _flag(1000, "Number of diffusion steps T.")
-    beta_schedule: str = _flag("linear", "Beta schedule name (linear, cosine, ...).")
-    mean_type: str = _flag("eps", "What the network predicts (eps, ...).")
-    var_type: str = _flag("fixedlarge", "Reverse-process variance (fixedlarge or fixedsmall).")
+    beta_schedule: str = _flag("linear", "Beta schedule.", choices=SCHEDULES)
+    mean_type: str = _flag("eps", "What the network predicts: the noise, x_0 or the mean of x_{t-1}.",
+                           choices=MEAN_TYPES)
+    var_type: str = _flag("fixedlarge", "Reverse-process variance: beta_t or the posterior variance.",
+                          choices=VAR_TYPES)
     # Optimisation
-    lr: float = _flag(2e-4, "Adam learning rate after warmup.")
-    warmup_steps: int = _flag(5000, "Steps of linear learning-rate warmup from 0.")
-    batch_size: int = _flag(128, "Global batch size, split evenly across all ranks.")
-    total_steps: int = _flag(800000, "Number of optimizer steps.")
-    grad_clip: float = _flag(1.0, "Clip the global gradient norm to this value; 0 disables.")
-    ema_decay: float = _flag(0.9999, "Decay of the exponential moving average of the weights.")
-    seed: int = _flag(0, "Seed of every random choice (data order, flips, timesteps, noise, dropout).")
+    lr: float = _flag(2e-4, "Adam learning rate after warmup.", above=0)
+    warmup_steps: int = _flag(5000, "Steps of linear learning-rate warmup from 0.", min=0)
+    batch_size: int = _flag(128, "Global batch size, split evenly across all ranks.", min=1)
+    total_steps: int = _flag(800000, "Number of optimizer steps.", min=1)
+    grad_clip: float = _flag(1.0, "Clip the global gradient norm to this value; 0 disables.", min=0)
+    ema_decay: float = _flag(0.9999, "Decay of the exponential moving average of the weights.", min=0, below=1)
+    seed: int = _flag(0, "Seed of every random choice (data order, flips, timesteps, noise, dropout).", min=0)
     # Outputs
     logdir: str = _flag("runs/train", "Directory for checkpoints, metrics, sample grids and flags.")
-    log_every: int = _flag(10, "Write metrics every this many steps.")
-    save_every: int = _flag(5000, "Save a checkpoint every this many steps (0: only at the end).")
-    keep_checkpoints: int = _flag(3, "How many of the newest checkpoints to keep.")
-    sample_every: int = _flag(5000, "Save an EMA sample grid every this many steps (0: never).")
-    sample_num: int = _flag(64, "Images in each sample grid.")
-    sample_sampler: str = _flag("ddim", "Sampler for the grids: ddpm or ddim.")
-    sample_steps: int = _flag(50, "Sampling steps for the grids.")
+    log_every: int = _flag(10, "Write metrics every this many steps.", min=1)
+    save_every: int = _flag(5000, "Save a checkpoint every this many steps (0: only at the end).", min=0)
+    keep_checkpoints: int = _flag(3, "How many of the newest checkpoints to keep.", min=1)
+    sample_every: int = _flag(5000, "Save an EMA sample grid every this many steps (0: never).", min=0)
+    sample_num: int = _flag(64, "Images in each sample grid.", min=1)
+    sample_sampler: str = _flag("ddim", "Sampler for the grids (and for --fid_every).", choices=SAMPLERS)
+    sample_steps: int = _flag(50, "Sampling steps for the grids (and for --fid_every), at most T.")
     resume: bool = _flag(False, "Continue from the newest loadable checkpoint in logdir.")
     time_limit_minutes: float = _flag(0.0, "Stop with a checkpoint after this many minutes of training in "
-                                      "this process (0: no limit); --resume continues later.")
+                                      "this process (0: no limit); --resume continues later.", min=0)
     fid_every: int = _flag(0, "Score the EMA model with FID every this many steps (0: never); samples with "
-                           "--sample_sampler/--sample_steps, reference stats cached in the logdir.")
-    fid_num_images: int = _flag(1000, "Samples per FID evaluation during training.")
+                           "--sample_sampler/--sample_steps, reference stats cached in the logdir.", min=0)
+    fid_num_images: int = _flag(1000, "Samples per FID evaluation during training (a covariance needs 2).", min=2)
     # Devices
-    device: str = _flag("auto", "auto, cpu or gpu.")
-    num_gpus: int = _flag(1, "GPUs on this machine; more than 1 launches one process per GPU.")
-    world_size: Optional[int] = _flag(None, "Total processes over all machines; unset = num_gpus.")
-    rank_start: int = _flag(0, "Rank of this machine's first process (multi-machine).")
+    device: str = _flag("auto", "auto: a GPU when MegEngine sees one.", choices=("auto", "cpu", "gpu"))
+    num_gpus: int = _flag(1, "GPUs on this machine; more than 1 launches one process per GPU.", min=1)
+    world_size: Optional[int] = _flag(None, "Total processes over all machines; unset = num_gpus.", min=1)
+    rank_start: int = _flag(0, "Rank of this machine's first process (multi-machine).", min=0)
     master_ip: str = _flag("localhost", "Address of the machine running rank 0.")
-    port: int = _flag(0, "Port of the distributed server (0: pick a free one; set it for multi-machine).")
+    port: int = _flag(0, "Port of the distributed server (0: pick a free one; set it for multi-machine).",
+                      min=0, max=65535)
 
     @property
     def total_world_size(self):
@@ -128,49 +144,52 @@ def to_json(cfg):
     return json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n"
 
 
+def rule(f):
+    """The bounds of a field as text (">= 0 and < 1"), or None when it has none."""
+    parts = [f"{sign} {f.metadata[key]:g}" for key, sign, _ in _BOUNDS if key in f.metadata]
+    return " and ".join(parts) or None
+
+
+def check_field(f, value):
+    """Raise ``ConfigError`` when ``value`` is outside the choices or bounds of field ``f`` (None passes)."""
+    if value is None:
+        return
+    choices = f.metadata.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"--{f.name} must be one of {', '.join(choices)}, got {value!r}")
+    if not all(test(value, f.metadata[key]) for key, _, test in _BOUNDS if key in f.metadata):
+        raise ConfigError(f"--{f.name} must be {rule(f)}, got {value}")
+
+
 def validate(cfg):
     """Raise ``ConfigError`` for settings that cannot train. Needs ``image_size`` resolved."""
     from megdiffusion.data.loader import LoaderError, per_rank_batch
     from megdiffusion.nn.unet import check_config as check_unet_config
 
-    positive = ["model_channels", "num_res_blocks", "num_timesteps", "batch_size", "total_steps",
-                "keep_checkpoints", "log_every", "sample_num", "sample_steps", "num_gpus"]
-    for name in positive:
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
-    for name in ["seed", "warmup_steps", "save_every", "sample_every", "rank_start", "port", "fid_every",
-                 "time_limit_minutes"]:
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
-    if cfg.fid_every and cfg.fid_num_images < 2:
-        raise ConfigError(f"--fid_num_images must be at least 2 (a covariance), got {cfg.fid_num_images}")
-    if cfg.lr <= 0 or cfg.grad_clip < 0:
-        raise ConfigError("--lr must be > 0 and --grad_clip >= 0 (0 disables clipping)")
-    if not 0.0 <= cfg.ema_decay < 1.0:
-        raise ConfigError(f"--ema_decay must be in [0, 1), got {cfg.ema_decay}")
-    if not 0.0 <= cfg.dropout < 1.0:
-        raise ConfigError(f"--dropout must be in [0, 1), got {cfg.dropout}")
-    if cfg.device not in ("auto", "cpu", "gpu"):
-        raise ConfigError(f"--device must be auto, cpu or gpu, got {cfg.device!r}")
-    if cfg.sample_sampler not in ("ddpm", "ddim"):
-        raise ConfigError(f"--sample_sampler must be ddpm or ddim, got {cfg.sample_sampler!r}")
+    for f, value in _items(cfg):
+        check_field(f, value)
+    if cfg.image_size is None:
+        raise ConfigError("--image_size is unset; it is read from the dataset (config.resolve) or given")
     if cfg.total_world_size < cfg.num_gpus:
         raise ConfigError(f"--world_size {cfg.world_size} is smaller than --num_gpus {cfg.num_gpus}")
     try:
         per_rank_batch(cfg.batch_size, cfg.total_world_size)
     except LoaderError as err:
         raise ConfigError(f"--batch_size: {err}; the global batch is split evenly across ranks") from None
-    if cfg.image_size is None or cfg.image_size < 1:
-        raise ConfigError("--image_size must be a positive integer")
     try:
         check_unet_config(cfg.model_channels, cfg.channel_mult, cfg.attention_resolutions, cfg.image_size,
                           cfg.norm_groups)
     except ValueError as err:
         raise ConfigError(f"bad model flags: {err}") from None
     try:
-        build_diffusion(cfg)
-    except (ValueError, KeyError, NotImplementedError) as err:
-        raise ConfigError(f"bad diffusion flags (--beta_schedule/--mean_type/--var_type): {err}") from None
+        diffusion = build_diffusion(cfg)
+    except ValueError as err:
+        raise ConfigError(f"bad diffusion flags: {err}") from None
+    try:
+        if cfg.sample_every or cfg.fid_every:  # the only users of the sampler settings
+            diffusion.check_sampling(cfg.sample_sampler, cfg.sample_steps)
+    except ValueError as err:
+        raise ConfigError(f"--sample_steps: {err}") from None
 
 
 def build_model(cfg):
@@ -196,9 +215,11 @@ def define_flags(flag_values):
     from absl import flags
 
     for f in flag_fields():
-        help_text = f.metadata["help"]
+        help_text = f.metadata["help"] + (f" Must be {rule(f)}." if rule(f) else "")
         default = f.default
-        if f.type is bool:
+        if "choices" in f.metadata:
+            flags.DEFINE_enum(f.name, default, f.metadata["choices"], help_text, flag_values=flag_values)
+        elif f.type is bool:
             flags.DEFINE_bool(f.name, default, help_text, flag_values=flag_values)
         elif isinstance(default, tuple):
             flags.DEFINE_list(f.name, [str(v) for v in default], help_text, flag_values=flag_values)

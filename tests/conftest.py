@@ -1,0 +1,22 @@
+"""What many tests share: the tiny training config and the random images they train on."""
+import numpy as np
+import pytest
+
+from megdiffusion.training.config import TrainConfig
+
+# A one-level 32-channel UNet on 8x8 gray images with T=40: a few CPU steps per second.
+TINY = dict(image_size=8, image_channels=1, model_channels=32, channel_mult=(1,), norm_groups=8, num_res_blocks=1,
+            attention_resolutions=(), dropout=0.0, num_timesteps=40, batch_size=8, warmup_steps=0, sample_every=0,
+            save_every=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    """``tiny_config(**changes)``: the tiny ``TrainConfig`` with some fields changed."""
+    return lambda **changes: TrainConfig(**{**TINY, **changes})
+
+
+@pytest.fixture(scope="session")
+def tiny_images():
+    """``tiny_images(n)``: n random 8x8 gray uint8 images, the same for every call with the same n."""
+    return lambda n: np.random.default_rng(0).integers(0, 256, size=(n, 8, 8, 1), dtype=np.uint8)

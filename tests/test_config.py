@@ -1,0 +1,98 @@
+"""TrainConfig: every ConfigError, the bounds and choices on the fields, and the flags made from them."""
+import dataclasses
+
+import numpy as np
+import pytest
+from absl import flags
+
+from megdiffusion.data.datasets import DATASETS
+from megdiffusion.diffusion.choices import MEAN_TYPES, SAMPLERS, VAR_TYPES
+from megdiffusion.diffusion.schedules import SCHEDULES
+from megdiffusion.training import config
+from megdiffusion.training.config import ConfigError, TrainConfig
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(device="tpu"), "--device must be one of auto, cpu, gpu, got 'tpu'"),
+    (dict(lr=0.0), "--lr must be > 0, got 0.0"),
+    (dict(image_size=None), "--image_size is unset"),
+    (dict(num_gpus=2, world_size=1), "--world_size 1 is smaller than --num_gpus 2"),
+    (dict(batch_size=6, world_size=4), "--batch_size: global batch size 6 is not divisible by world size 4"),
+    (dict(channel_mult=(1, 2), image_size=9), "bad model flags: image_size=9 must be divisible by"),
+    (dict(num_timesteps=20), "bad diffusion flags: the linear schedule needs num_timesteps > 20"),
+    (dict(sample_every=10, sample_steps=41), "--sample_steps: steps must be an integer between 1 and T=40, got 41"),
+])
+def test_validate_names_the_flag_to_change(tiny_config, changes, message):
+    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(")):
+        config.validate(tiny_config(**changes))
+
+
+def test_the_tiny_config_is_valid(tiny_config):
+    config.validate(tiny_config())
+
+
+def bounded_fields():
+    return [f for f in dataclasses.fields(TrainConfig) if config.rule(f)]
+
+
+def test_every_bound_is_checked_and_inclusive_bounds_pass(tiny_config):
+    assert {f.name for f in bounded_fields()} >= {"lr", "ema_decay", "dropout", "batch_size", "port"}
+    for f in bounded_fields():
+        step = 0.5 if f.type is float else 1
+        meta = f.metadata
+        outside = [meta["min"] - step] if "min" in meta else [meta["above"]] if "above" in meta else []
+        outside += [meta["max"] + step] if "max" in meta else [meta["below"]] if "below" in meta else []
+        for value in outside:
+            with pytest.raises(ConfigError, match=f"^--{f.name} must be {config.rule(f)}, got"):
+                config.validate(tiny_config(**{f.name: value}))
+        for value in [meta[key] for key in ("min", "max") if key in meta]:
+            config.check_field(f, value)
+
+
+@pytest.mark.parametrize("name, choices", [("dataset", DATASETS), ("beta_schedule", SCHEDULES),
+                                           ("mean_type", MEAN_TYPES), ("var_type", VAR_TYPES),
+                                           ("sample_sampler", SAMPLERS)])
+def test_choices_come_from_the_code_that_implements_them(tiny_config, name, choices):
+    field = next(f for f in dataclasses.fields(TrainConfig) if f.name == name)
+    assert field.metadata["choices"] == choices
+    for choice in choices:  # each builds a diffusion and passes the sampler check
+        config.validate(tiny_config(**{name: choice}, sample_every=10, sample_steps=4))
+    with pytest.raises(ConfigError, match=f"--{name} must be one of"):
+        config.validate(tiny_config(**{name: "nope"}))
+
+
+def test_flags_list_the_choices_and_bounds():
+    flag_values = flags.FlagValues()
+    config.define_flags(flag_values)
+    assert "<fashion_mnist|cifar10|folder|npz>" in flag_values["dataset"].help
+    assert flag_values["ema_decay"].help.endswith("Must be >= 0 and < 1.")
+    with pytest.raises(flags.IllegalFlagValueError, match="should be one of <ddpm|ddim>"):
+        flag_values(["train", "--sample_sampler=euler"])
+
+
+def test_list_flags_need_integers():
+    flag_values = flags.FlagValues()
+    config.define_flags(flag_values)
+    flag_values(["train", "--channel_mult=1,two"])
+    with pytest.raises(ConfigError, match="--channel_mult needs comma-separated integers, got 1,two"):
+        config.config_from_flags(flag_values)
+
+
+def test_unknown_checkpoint_keys():
+    values = TrainConfig().to_dict()
+    assert TrainConfig.from_dict(values) == TrainConfig()
+    with pytest.raises(ConfigError, match=r"unknown config keys \['learning_rate'\]"):
+        TrainConfig.from_dict({**values, "learning_rate": 1.0})
+
+
+def test_resolve_checks_the_data(tiny_config, tmp_path):
+    wide = tmp_path / "wide.npz"
+    np.savez(wide, arr_0=np.zeros((4, 8, 12, 1), np.uint8))
+    with pytest.raises(ConfigError, match="dataset images are 8x12; set --image_size"):
+        config.resolve(tiny_config(dataset="npz", data_path=str(wide), image_size=None))
+    few = tmp_path / "few.npz"
+    np.savez(few, arr_0=np.zeros((4, 8, 8, 1), np.uint8))
+    with pytest.raises(ConfigError, match="the dataset has 4 images, fewer than --batch_size 8"):
+        config.resolve(tiny_config(dataset="npz", data_path=str(few)))
+    cfg, images = config.resolve(tiny_config(dataset="npz", data_path=str(few), batch_size=4, image_size=None))
+    assert cfg.image_size == 8 and cfg.image_channels == 1 and images.shape == (4, 8, 8, 1)
