@@ -393,6 +393,8 @@ def test_mlp_learns_a_mixture_of_8_gaussians():
         opt.step().clear_grad()
         for group in opt.param_groups:
             group["lr"] = lr * (1 - (step + 1) / steps) + 1e-5
+        if step % 10 == 0:  # wait for MegEngine now and then: unsynced, this loop peaked at 13 GB RSS
+            loss.item()
 
     data_fraction, _ = mode_report(MODES[rng.integers(0, 8, 2000)] + STD * rng.standard_normal((2000, 2)))
     assert data_fraction > 0.97  # the criterion itself: the data passes it
