@@ -36,7 +36,7 @@ def main():
     cfg, _ = config_from_flagfile(args.config)
     model, diffusion = build_model(cfg), build_diffusion(cfg)
     model.eval()
-    shape = (args.batch_size, cfg.image_channels, cfg.image_size, cfg.image_size)
+    shape = (args.batch_size,) + cfg.image_shape
     x = mge.tensor(np.random.default_rng(0).standard_normal(shape).astype(np.float32))
     t = mge.tensor(np.full((args.batch_size,), 500, np.int32))
 

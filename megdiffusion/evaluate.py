@@ -6,7 +6,7 @@ measure the same way.
 import os
 
 from megdiffusion.metrics import fid
-from megdiffusion.sampling import generate_images
+from megdiffusion.generation import generate_images
 
 
 def reference_statistics(images, cache_path=None, batch_size=50, progress=False):

@@ -1,8 +1,7 @@
-"""Sampling many images: per-image seeds, resumable output directories, grids and npz.
+"""Sampling a trained run: the model from its checkpoint, resumable output directories, grids and npz.
 
-Image ``i`` of a run depends only on (seed, i): its starting noise and every noise draw of the sampler come
-from a generator seeded by ``image_seed(seed, i)``. So a run split into pieces, resumed after a crash, or
-spread over several GPUs writes the same images as one uninterrupted run (for a given batch size).
+Image ``i`` depends only on (seed, i) (``megdiffusion.generation``): a run split into pieces, resumed after
+a crash, or spread over several GPUs writes the same images as one uninterrupted run.
 """
 import json
 from pathlib import Path
@@ -12,7 +11,10 @@ from tqdm import tqdm
 
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import save_npz, write_text
-from megdiffusion.images import make_grid, read_image, save_png, to_uint8
+from megdiffusion.generation import generate_images
+from megdiffusion.images import make_grid, read_image, save_png
+from megdiffusion.training import checkpoint
+from megdiffusion.training.config import build_diffusion, build_model
 
 MANIFEST = "manifest.json"
 
@@ -21,9 +23,18 @@ class SamplingError(MegdiffusionError):
     """Bad sampling input; the message is one line that says what to fix."""
 
 
-def image_seed(seed, index):
-    """The integer seed of image ``index`` in a run seeded with ``seed``."""
-    return (int(seed) << 32) + int(index)
+def load_model(ckpt_or_logdir, ema=True):
+    """The trained network of a checkpoint file, or of a run's logdir (its newest checkpoint).
+
+    Returns ``(model, diffusion, cfg, step)``: the model in eval mode with the EMA weights (``ema=False``:
+    the raw ones) and the run's ``TrainConfig``. Raises ``CheckpointError``.
+    """
+    state = checkpoint.load_file_or_newest(ckpt_or_logdir)
+    cfg = checkpoint.config_of(state)
+    model = build_model(cfg)
+    model.load_state_dict(state["ema" if ema else "model"])
+    model.eval()
+    return model, build_diffusion(cfg), cfg, state["step"]
 
 
 def check_sampler(diffusion, sampler, steps, eta=0.0):
@@ -32,26 +43,6 @@ def check_sampler(diffusion, sampler, steps, eta=0.0):
         diffusion.check_sampling(sampler, steps, eta)
     except ValueError as err:
         raise SamplingError(str(err)) from None
-
-
-def generate_images(model, diffusion, image_shape, indices, seed, sampler="ddpm", steps=None, eta=0.0,
-                    batch_size=64, progress=None):
-    """Sample the images ``indices`` of a run (each from ``image_seed(seed, i)``) as uint8 NHWC.
-
-    ``image_shape`` is (C, H, W); ``progress`` is an optional tqdm bar advanced per image.
-    """
-    check_sampler(diffusion, sampler, steps, eta)
-    indices = list(indices)
-    out = []
-    for start in range(0, len(indices), batch_size):
-        chunk = indices[start:start + batch_size]
-        x = diffusion.sample(model, (len(chunk),) + tuple(image_shape), sampler=sampler, steps=steps, eta=eta,
-                             seeds=[image_seed(seed, i) for i in chunk])
-        out.append(to_uint8(x))
-        if progress is not None:
-            progress.update(len(chunk))
-    c, h, w = image_shape
-    return np.concatenate(out) if out else np.zeros((0, h, w, c), np.uint8)
 
 
 def image_path(output, index):

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megdiffusion import sampling
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training.config import TrainConfig
@@ -105,21 +106,21 @@ def test_resume_refuses_a_different_model(tmp_path):
         tiny_run(tmp_path, resume=True, model_channels=64).resume()
 
 
-def test_load_model_for_sampling_rebuilds_the_ema_network(tmp_path):
+def test_load_model_rebuilds_the_ema_network(tmp_path):
     run = tiny_run(tmp_path)
     run.run()
     for ema in (True, False):
-        model, diffusion, config, step = ckpt.load_model_for_sampling(str(tmp_path), ema=ema)
+        model, diffusion, cfg, step = sampling.load_model(str(tmp_path), ema=ema)
         source = run.trainer.ema if ema else run.trainer.model
-        assert step == 4 and config == run.cfg.to_dict() and diffusion.num_timesteps == 50
+        assert step == 4 and cfg == run.cfg and diffusion.num_timesteps == 50
         assert not model.training
         for (name, a), (_, b) in zip(model.named_parameters(), source.named_parameters()):
             np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=name)
-    model, *_ = ckpt.load_model_for_sampling(ckpt.checkpoint_path(str(tmp_path), 2))
+    model, *_ = sampling.load_model(ckpt.checkpoint_path(str(tmp_path), 2))
     assert not np.array_equal(next(model.parameters()).numpy(), next(run.trainer.ema.parameters()).numpy())
     (tmp_path / "empty").mkdir()
     with pytest.raises(ckpt.CheckpointError, match="no checkpoints"):
-        ckpt.load_model_for_sampling(str(tmp_path / "empty"))
+        sampling.load_model(str(tmp_path / "empty"))
 
 
 OLD_RUN = Path(__file__).parent / "fixtures" / "checkpoint_9323ffd"
@@ -127,16 +128,18 @@ OLD_RUN = Path(__file__).parent / "fixtures" / "checkpoint_9323ffd"
 
 def test_a_checkpoint_written_at_9323ffd_loads_for_sampling_and_resumes(tmp_path):
     expected = np.load(OLD_RUN / "expected.npz")
-    model, _, config, step = ckpt.load_model_for_sampling(str(OLD_RUN))
-    assert step == 2 and config["model_channels"] == 4 and config["image_channels"] == 1
+    model, _, cfg, step = sampling.load_model(str(OLD_RUN))
+    assert step == 2 and cfg.model_channels == 4 and cfg.image_shape == (1, 8, 8)
     out = model(mge.tensor(expected["x"]), mge.tensor(expected["t"])).numpy()
     np.testing.assert_allclose(out, expected["ema_out"], rtol=1e-5, atol=1e-6)
 
     logdir = tmp_path / "run"
     shutil.copytree(OLD_RUN / "checkpoints", logdir / "checkpoints")
-    cfg = TrainConfig.from_dict(config).replace(logdir=str(logdir), total_steps=3, resume=True)
-    run = TrainingRun(cfg, expected["images"], progress=False)
+    run = TrainingRun(cfg.replace(logdir=str(logdir), total_steps=3, resume=True), expected["images"],
+                      progress=False)
     assert run.resume() == ckpt.checkpoint_path(str(logdir), 2)
+    old = ckpt.load_checkpoint(ckpt.checkpoint_path(str(logdir), 2))
+    assert set(ckpt.snapshot(run.trainer, run.loader)) == set(old)  # the layout has not changed
     assert run.loader.state_dict() == {"epoch": 0, "position": 8}
     loss = run.trainer.step(run.loader.next_batch())["loss"]
     assert loss == pytest.approx(float(expected["next_loss"]), rel=1e-5)

@@ -8,6 +8,7 @@ import pytest
 
 from megdiffusion import sampling
 from megdiffusion.compat import quiet_megengine
+from megdiffusion.generation import generate_images
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training.config import TrainConfig
 from megdiffusion.training.trainer import TrainingRun
@@ -31,13 +32,13 @@ def logdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(logdir):
-    model, diffusion, _, _ = ckpt.load_model_for_sampling(str(logdir))
+    model, diffusion, _, _ = sampling.load_model(str(logdir))
     return model, diffusion
 
 
 def generate(loaded, indices, seed=0, sampler="ddpm", steps=None, batch_size=8):
     model, diffusion = loaded
-    return sampling.generate_images(model, diffusion, SHAPE, indices, seed, sampler, steps, 0.0, batch_size)
+    return generate_images(model, diffusion, SHAPE, indices, seed, sampler, steps, 0.0, batch_size)
 
 
 def test_same_seed_same_bytes_other_seed_other_images(loaded):
@@ -55,10 +56,10 @@ def test_split_runs_equal_one_run(loaded):
 
 
 def test_ema_and_raw_weights_differ(logdir):
-    ema_model, diffusion, _, _ = ckpt.load_model_for_sampling(str(logdir), ema=True)
-    raw_model, _, _, _ = ckpt.load_model_for_sampling(str(logdir), ema=False)
-    ema = sampling.generate_images(ema_model, diffusion, SHAPE, range(4), 0, "ddim", 5)
-    raw = sampling.generate_images(raw_model, diffusion, SHAPE, range(4), 0, "ddim", 5)
+    ema_model, diffusion, _, _ = sampling.load_model(str(logdir), ema=True)
+    raw_model, _, _, _ = sampling.load_model(str(logdir), ema=False)
+    ema = generate_images(ema_model, diffusion, SHAPE, range(4), 0, "ddim", 5)
+    raw = generate_images(raw_model, diffusion, SHAPE, range(4), 0, "ddim", 5)
     assert not np.array_equal(ema, raw)
 
 

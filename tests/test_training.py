@@ -3,6 +3,8 @@ import numpy as np
 import pytest
 
 from megdiffusion.compat import quiet_megengine
+from megdiffusion.data.loader import BatchLoader
+from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
 from megdiffusion.training.config import TrainConfig
 from megdiffusion.training.trainer import NonFiniteLossError, Trainer, warmup_lr
@@ -136,7 +138,8 @@ def test_same_seed_same_run_and_state_round_trip():
     assert not all(np.array_equal(x, y) for x, y in zip(params_numpy(a.model), params_numpy(c.model)))
     # Loading a state continues exactly like the original (dropout and noise come from the step seed).
     resumed = run(0, 0)
-    resumed.load_state_dict(a.state_dict())
+    loader = BatchLoader(np.zeros((8, 8, 8, 1), np.uint8), batch_size=8, seed=0)
+    ckpt.restore(ckpt.snapshot(a, loader), "memory", resumed, loader)
     assert resumed.step_count == 3
     a.step(toy_batch(seed=3))
     resumed.step(toy_batch(seed=3))

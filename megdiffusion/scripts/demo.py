@@ -60,8 +60,8 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
     """Train, sample, draw grids and score; returns the summary dict (also written to summary.json)."""
     from megdiffusion.evaluate import model_fid, reference_statistics
     from megdiffusion.images import make_grid, save_png
-    from megdiffusion.sampling import check_sampler
-    from megdiffusion.training.checkpoint import load_latest, load_model_for_sampling
+    from megdiffusion.sampling import check_sampler, load_model
+    from megdiffusion.training.checkpoint import load_latest
     from megdiffusion.training.config import build_diffusion, config_from_flagfile
     from megdiffusion.training.trainer import train
 
@@ -76,11 +76,10 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
     step = train(cfg, images)
     train_seconds = time.monotonic() - started
 
-    model, diffusion, _, _ = load_model_for_sampling(logdir, ema=True)
+    model, diffusion, _, _ = load_model(logdir, ema=True)
     cache = os.path.join(output, "reference", f"fashion_mnist_first{num_reference}.npz")
     reference = reference_statistics(images[:num_reference], cache, batch_size, progress=True)
-    shape = (cfg.image_channels, cfg.image_size, cfg.image_size)
-    fid, samples = model_fid(model, diffusion, shape, reference, num_images, cfg.seed, sampler, steps,
+    fid, samples = model_fid(model, diffusion, cfg.image_shape, reference, num_images, cfg.seed, sampler, steps,
                              batch_size=batch_size, progress=True)
     save_png(os.path.join(output, "samples.png"), make_grid(samples[:64], nrow=8))
     save_png(os.path.join(output, "real.png"), make_grid(images[:64], nrow=8))

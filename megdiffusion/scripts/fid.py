@@ -44,16 +44,14 @@ def _statistics(spec, num_images=None):
 def model_fid(reference_spec):
     """FID of --num_images samples of the --ckpt model against all of ``reference_spec``."""
     from megdiffusion.evaluate import model_fid as score
-    from megdiffusion.sampling import check_sampler
-    from megdiffusion.training.checkpoint import load_model_for_sampling
+    from megdiffusion.sampling import check_sampler, load_model
 
     if not FLAGS.num_images:
         raise UsageError("--ckpt needs --num_images (how many samples to score; papers use 50,000)")
-    model, diffusion, config, step = load_model_for_sampling(FLAGS.ckpt, ema=FLAGS.ema)
+    model, diffusion, cfg, step = load_model(FLAGS.ckpt, ema=FLAGS.ema)
     check_sampler(diffusion, FLAGS.sampler, FLAGS.steps, FLAGS.eta)
     reference = _statistics(reference_spec)
-    shape = (config["image_channels"], config["image_size"], config["image_size"])
-    value, _ = score(model, diffusion, shape, reference, FLAGS.num_images, FLAGS.seed, FLAGS.sampler, FLAGS.steps,
+    value, _ = score(model, diffusion, cfg.image_shape, reference, FLAGS.num_images, FLAGS.seed, FLAGS.sampler, FLAGS.steps,
                      FLAGS.eta, FLAGS.batch_size, FLAGS.progress)
     return value, step
 

@@ -30,11 +30,10 @@ flags.DEFINE_integer("num_gpus", 1, "Spread the images over this many GPUs (mege
 def load():
     """The model, diffusion, image shape (C, H, W) and output settings of the flags' checkpoint."""
     from megdiffusion import sampling
-    from megdiffusion.training.checkpoint import load_model_for_sampling
 
-    model, diffusion, config, step = load_model_for_sampling(FLAGS.ckpt, ema=FLAGS.ema)
+    model, diffusion, cfg, step = sampling.load_model(FLAGS.ckpt, ema=FLAGS.ema)
     sampling.check_sampler(diffusion, FLAGS.sampler, FLAGS.steps, FLAGS.eta)
-    image_shape = (config["image_channels"], config["image_size"], config["image_size"])
+    image_shape = cfg.image_shape
     settings = {"checkpoint": os.path.abspath(FLAGS.ckpt), "step": step, "ema": FLAGS.ema,
                 "sampler": FLAGS.sampler, "steps": FLAGS.steps, "eta": FLAGS.eta, "seed": FLAGS.seed}
     return model, diffusion, image_shape, settings

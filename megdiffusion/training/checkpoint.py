@@ -1,12 +1,16 @@
-"""Checkpoints: atomic writes, numbered files that rotate, and finding the newest one that loads.
+"""Checkpoints: what one holds, numbered files that rotate, and finding the newest one that loads.
 
-A checkpoint is a pickled dict of numpy arrays and plain Python values:
-``step``, ``config`` (``TrainConfig.to_dict()``), ``model``, ``ema`` (state dicts), ``optimizer``,
-``loader`` (data position) and ``rng`` (how step seeds are derived). Files live at
-``<logdir>/checkpoints/ckpt_<step:07d>.pkl``.
+A checkpoint is a pickled dict of numpy arrays and plain Python values, written by ``snapshot`` and read
+back into a run by ``restore``:
 
-Loading unpickles, which can run code stored in the file (as ``torch.load`` and ``megengine.load``
-do): only load checkpoints you trust.
+- ``step``: optimizer steps taken; ``config``: the run's ``TrainConfig.to_dict()``;
+- ``model``, ``ema``: the network's and its moving average's state dicts; ``optimizer``: Adam's;
+- ``loader``: the data position (``BatchLoader.state_dict()``);
+- ``rng``: how step randomness is derived (a record only: it is a function of seed, rank and step).
+
+Files live at ``<logdir>/checkpoints/ckpt_<step:07d>.pkl`` and are written atomically. Loading unpickles,
+which can run code stored in the file (as ``torch.load`` and ``megengine.load`` do): only load checkpoints
+you trust.
 """
 import os
 import pickle
@@ -18,6 +22,10 @@ from megdiffusion.fileio import atomic_write
 
 CHECKPOINT_DIR = "checkpoints"
 REQUIRED_KEYS = ("step", "config", "model", "ema", "optimizer", "loader")
+# Config fields a resumed run must share with its checkpoint (they define the network and the maths).
+RECIPE_FIELDS = ("image_size", "image_channels", "model_channels", "channel_mult", "num_res_blocks",
+                 "attention_resolutions", "norm_groups", "num_timesteps", "beta_schedule", "mean_type", "var_type")
+RNG_SCHEME = "numpy default_rng([seed, rank, step])"  # trainer.step_rng
 _NAME = re.compile(r"^ckpt_(\d+)\.pkl$")
 
 
@@ -90,26 +98,45 @@ def load_latest(logdir, warn=None):
     return None
 
 
-def load_model_for_sampling(ckpt_path_or_logdir, ema=True):
-    """Rebuild the trained network from a checkpoint file or a run's logdir (its newest checkpoint).
+def load_file_or_newest(path):
+    """The checkpoint dict at ``path``, a checkpoint file or a run's logdir (its newest loadable checkpoint)."""
+    if not os.path.isdir(path):
+        return load_checkpoint(path)
+    latest = load_latest(path)
+    if latest is None:
+        raise CheckpointError(f"no checkpoints in {path}")
+    return latest[0]
 
-    Returns ``(model, diffusion, config_dict, step)`` with the model in eval mode; ``ema=False`` gives
-    the raw weights instead of the EMA ones. Raises ``CheckpointError``.
-    """
-    from megdiffusion.training.config import ConfigError, TrainConfig, build_diffusion, build_model
 
-    if os.path.isdir(ckpt_path_or_logdir):
-        latest = load_latest(ckpt_path_or_logdir)
-        if latest is None:
-            raise CheckpointError(f"no checkpoints in {ckpt_path_or_logdir}")
-        ckpt = latest[0]
-    else:
-        ckpt = load_checkpoint(ckpt_path_or_logdir)
+def config_of(state):
+    """The ``TrainConfig`` stored in checkpoint dict ``state``; ``CheckpointError`` when it is unusable."""
+    from megdiffusion.training.config import ConfigError, TrainConfig
+
     try:
-        cfg = TrainConfig.from_dict(ckpt["config"])
+        return TrainConfig.from_dict(state["config"])
     except (ConfigError, TypeError) as err:
         raise CheckpointError(f"checkpoint config is unusable: {err}") from None
-    model = build_model(cfg)
-    model.load_state_dict(ckpt["ema" if ema else "model"])
-    model.eval()
-    return model, build_diffusion(cfg), cfg.to_dict(), ckpt["step"]
+
+
+def snapshot(trainer, loader):
+    """The checkpoint dict of a run: ``trainer`` (a ``Trainer``) and its ``BatchLoader``."""
+    return {"step": trainer.step_count, "config": trainer.cfg.to_dict(), "model": trainer.model.state_dict(),
+            "ema": trainer.ema.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+            "loader": loader.state_dict(), "rng": {"seed": trainer.cfg.seed, "scheme": RNG_SCHEME}}
+
+
+def restore(state, path, trainer, loader):
+    """Load checkpoint dict ``state`` (read from ``path``) into ``trainer`` and ``loader``.
+
+    ``CheckpointError`` when it was trained with other ``RECIPE_FIELDS`` than ``trainer.cfg``.
+    """
+    current = trainer.cfg.to_dict()
+    changed = [name for name in RECIPE_FIELDS if state["config"].get(name) != current[name]]
+    if changed:
+        raise CheckpointError(f"{path} was trained with different {', '.join(changed)}; "
+                              "use the run's flags.cfg or another --logdir")
+    trainer.model.load_state_dict(state["model"])
+    trainer.ema.load_state_dict(state["ema"])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.step_count = int(state["step"])
+    loader.load_state_dict(state["loader"])

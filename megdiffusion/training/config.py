@@ -91,6 +91,11 @@ class TrainConfig:
                       min=0, max=65535)
 
     @property
+    def image_shape(self):
+        """(C, H, W) of the images the model sees."""
+        return (self.image_channels, self.image_size, self.image_size)
+
+    @property
     def total_world_size(self):
         """Number of training processes over all machines."""
         return self.world_size if self.world_size is not None else self.num_gpus

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from megdiffusion.fileio import write_text
 from megdiffusion.images import make_grid
-from megdiffusion.sampling import generate_images
+from megdiffusion.generation import generate_images
 from megdiffusion.training.config import to_flagfile, to_json
 
 
@@ -30,8 +30,7 @@ def write_run_files(cfg):
 def sample_grid(model, diffusion, cfg):
     """An image grid (uint8 HWC) of ``model``'s images 0..sample_num-1 of the run seed (the same noise at
     every step and on resume), sampled with the grid sampler and step count."""
-    shape = (cfg.image_channels, cfg.image_size, cfg.image_size)
-    images = generate_images(model, diffusion, shape, range(cfg.sample_num), cfg.seed, cfg.sample_sampler,
+    images = generate_images(model, diffusion, cfg.image_shape, range(cfg.sample_num), cfg.seed, cfg.sample_sampler,
                              cfg.sample_steps, batch_size=cfg.sample_num)
     return make_grid(images)
 

@@ -25,10 +25,6 @@ mge = quiet_megengine()
 from megengine.autodiff import GradManager  # noqa: E402
 from megengine.optimizer import Adam, clip_grad_norm  # noqa: E402
 
-# Fields a resumed run must share with its checkpoint (they define the network and the maths).
-RECIPE_FIELDS = ("image_size", "image_channels", "model_channels", "channel_mult", "num_res_blocks",
-                 "attention_resolutions", "norm_groups", "num_timesteps", "beta_schedule", "mean_type", "var_type")
-
 
 class NonFiniteLossError(MegdiffusionError):
     """The loss or gradient norm became NaN/inf; the model was not updated."""
@@ -108,18 +104,6 @@ class Trainer:
         for ema_buffer, buffer in zip(self.ema.buffers(), self.model.buffers()):
             assign_(ema_buffer, buffer)
 
-    def state_dict(self):
-        """Model, EMA and optimizer state (numpy), the step, and how step randomness is derived."""
-        return {"step": self.step_count, "model": self.model.state_dict(), "ema": self.ema.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "rng": {"seed": self.cfg.seed, "scheme": "numpy default_rng([seed, rank, step])"}}
-
-    def load_state_dict(self, state):
-        self.model.load_state_dict(state["model"])
-        self.ema.load_state_dict(state["ema"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step_count = int(state["step"])
-
 
 def check_logdir(cfg):
     """Refuse to start a fresh run on top of another run's checkpoints (``CheckpointError``)."""
@@ -150,14 +134,7 @@ class TrainingRun:
         if latest is None:
             return None
         state, path = latest
-        stored = state["config"]
-        changed = [name for name in RECIPE_FIELDS
-                   if stored.get(name) != self.cfg.to_dict()[name]]
-        if changed:
-            raise ckpt.CheckpointError(f"{path} was trained with different {', '.join(changed)}; "
-                                       "use the run's flags.cfg or another --logdir")
-        self.trainer.load_state_dict(state)
-        self.loader.load_state_dict(state["loader"])
+        ckpt.restore(state, path, self.trainer, self.loader)
         self.saved_step = self.trainer.step_count
         return path
 
@@ -165,8 +142,7 @@ class TrainingRun:
         """Checkpoint the current state (rank 0) and drop the oldest beyond ``keep_checkpoints``."""
         step = self.trainer.step_count
         if self.writes and self.saved_step != step:
-            state = self.trainer.state_dict()
-            state.update(config=self.cfg.to_dict(), loader=self.loader.state_dict())
+            state = ckpt.snapshot(self.trainer, self.loader)
             ckpt.save_checkpoint(ckpt.checkpoint_path(self.cfg.logdir, step), state)
             ckpt.prune_checkpoints(self.cfg.logdir, self.cfg.keep_checkpoints)
         self.saved_step = step
@@ -247,8 +223,7 @@ class TrainingRun:
 
         cfg = self.cfg
         reference = reference_statistics(self.loader.images, os.path.join(cfg.logdir, "fid_reference.npz"))
-        shape = (cfg.image_channels, cfg.image_size, cfg.image_size)
-        value, _ = model_fid(self.trainer.ema, self.trainer.diffusion, shape, reference, cfg.fid_num_images,
+        value, _ = model_fid(self.trainer.ema, self.trainer.diffusion, cfg.image_shape, reference, cfg.fid_num_images,
                              cfg.seed, cfg.sample_sampler, cfg.sample_steps)
         self.logger.write_metrics(self.trainer.step_count, {"fid": value, "fid_num_images": cfg.fid_num_images})
         self.logger.message(f"step {self.trainer.step_count}: FID {value:.2f} ({cfg.fid_num_images} EMA samples)")

@@ -1,0 +1,36 @@
+"""A run's images by index: image ``i`` depends only on (seed, i), whatever the batch it is drawn in.
+
+Its starting noise and every noise draw of the sampler come from a generator seeded by
+``image_seed(seed, i)``. So a run split into pieces, resumed after a crash, or spread over several GPUs
+gives the same images as one uninterrupted run (for a given batch size). Used by the training grids,
+FID scoring (``evaluate``) and ``sampling``.
+"""
+import numpy as np
+
+from megdiffusion.images import to_uint8
+
+
+def image_seed(seed, index):
+    """The integer seed of image ``index`` in a run seeded with ``seed``."""
+    return (int(seed) << 32) + int(index)
+
+
+def generate_images(model, diffusion, image_shape, indices, seed, sampler="ddpm", steps=None, eta=0.0,
+                    batch_size=64, progress=None):
+    """Sample the images ``indices`` of a run (each from ``image_seed(seed, i)``) as uint8 NHWC.
+
+    ``image_shape`` is (C, H, W); ``progress`` is an optional tqdm bar advanced per image. Bad sampler
+    settings raise ValueError (``GaussianDiffusion.check_sampling``), even for no indices.
+    """
+    diffusion.check_sampling(sampler, steps, eta)
+    indices = list(indices)
+    out = []
+    for start in range(0, len(indices), batch_size):
+        chunk = indices[start:start + batch_size]
+        x = diffusion.sample(model, (len(chunk),) + tuple(image_shape), sampler=sampler, steps=steps, eta=eta,
+                             seeds=[image_seed(seed, i) for i in chunk])
+        out.append(to_uint8(x))
+        if progress is not None:
+            progress.update(len(chunk))
+    c, h, w = image_shape
+    return np.concatenate(out) if out else np.zeros((0, h, w, c), np.uint8)
