@@ -1,10 +1,14 @@
-"""Sampling a trained run: the model from its checkpoint, resumable output directories, grids and npz.
+"""Sampling a trained run: the model from its checkpoint, resumable output directories, grids and npz, on
+one device or on several GPUs (``run_job``).
 
 Image ``i`` depends only on (seed, i) (``megdiffusion.generation``): a run split into pieces, resumed after
 a crash, or spread over several GPUs writes the same images as one uninterrupted run.
 """
 import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 from tqdm import tqdm
@@ -13,7 +17,7 @@ from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import save_npz, write_text
 from megdiffusion.generation import generate_images
 from megdiffusion.images import make_grid, read_image, save_png
-from megdiffusion.training import checkpoint
+from megdiffusion.training import checkpoint, distributed
 from megdiffusion.training.config import build_diffusion, build_model
 
 MANIFEST = "manifest.json"
@@ -21,6 +25,53 @@ MANIFEST = "manifest.json"
 
 class SamplingError(MegdiffusionError):
     """Bad sampling input; the message is one line that says what to fix."""
+
+
+@dataclass(frozen=True)
+class SampleJob:
+    """What a sampling run writes, handed whole to each process: launched ones need no parsed flags."""
+
+    ckpt: str  # a checkpoint file or a run's logdir (its newest checkpoint)
+    output: str
+    num_images: int
+    seed: int = 0
+    sampler: str = "ddpm"
+    steps: Optional[int] = None
+    eta: float = 0.0
+    batch_size: int = 64  # per process
+    ema: bool = True
+    progress: bool = True
+
+    def manifest(self, step):
+        """The settings that decide the images (``manifest.json``): a directory never mixes two of them."""
+        return {"checkpoint": os.path.abspath(self.ckpt), "step": step, "ema": self.ema, "sampler": self.sampler,
+                "steps": self.steps, "eta": self.eta, "seed": self.seed}
+
+
+def run_job(job, num_gpus=1):
+    """Write the job's missing images into ``job.output``, in this process or in one spawned process per
+    GPU (``distributed.launch``); returns the checkpoint's step. Everything is checked before any writing."""
+    distributed.check_launch(num_gpus)
+    loaded = load_model(job.ckpt, job.ema)
+    _, diffusion, _, step = loaded
+    check_sampler(diffusion, job.sampler, job.steps, job.eta)
+    prepare_output(job.output, job.manifest(step))
+    if num_gpus == 1:
+        sample_share(job, loaded)
+    else:
+        distributed.launch(sample_share, (job,), num_gpus)
+    return step
+
+
+def sample_share(job, loaded=None):
+    """Write this process's share of the job's missing images (all of them outside a launched group).
+
+    ``loaded``: what ``load_model`` returned, when the caller has it; launched processes load it here.
+    """
+    model, diffusion, cfg, _ = loaded or load_model(job.ckpt, job.ema)
+    rank, world_size = distributed.rank_and_world()
+    return sample_to_directory(model, diffusion, cfg.image_shape, job.output, job.num_images, job.seed, job.sampler,
+                               job.steps, job.eta, job.batch_size, rank, world_size, job.progress)
 
 
 def load_model(ckpt_or_logdir, ema=True):

@@ -1,5 +1,7 @@
-"""Sampling many images: determinism, resume, split invariance, EMA vs raw, and the CLI's bad inputs."""
+"""Sampling many images: determinism, resume, split invariance, EMA vs raw, launched processes, the CLI."""
+import multiprocessing
 import os
+import pickle
 import subprocess
 import sys
 
@@ -7,9 +9,10 @@ import numpy as np
 import pytest
 
 from megdiffusion import sampling
-from megdiffusion.compat import quiet_megengine
+from megdiffusion.compat import cuda_driver_loadable, quiet_megengine
 from megdiffusion.generation import generate_images
 from megdiffusion.training import checkpoint as ckpt
+from megdiffusion.training import distributed
 from megdiffusion.training.config import TrainConfig
 from megdiffusion.training.trainer import TrainingRun
 
@@ -116,6 +119,7 @@ def test_cli_writes_pngs_grid_npz_and_refuses_other_settings(logdir, tmp_path):
     ("sampler", "--sampler=euler: value should be one of <ddpm|ddim>"),
     ("steps", "between 1 and T=40"),
     ("output_file", "is a file"),
+    ("gpus", "--num_gpus 2 needs CUDA GPUs"),
 ])
 def test_cli_bad_input_one_line_exit_2(logdir, tmp_path, case, message):
     good = ckpt.list_checkpoints(str(logdir))[-1]
@@ -126,10 +130,70 @@ def test_cli_bad_input_one_line_exit_2(logdir, tmp_path, case, message):
     args = {"ckpt": good, "output": str(tmp_path / "out"), "sampler": "ddim", "steps": "4"}
     args.update({"missing": {"ckpt": str(tmp_path / "nope.pkl")}, "corrupt": {"ckpt": str(corrupt)},
                  "sampler": {"sampler": "euler"}, "steps": {"steps": "41"},
-                 "output_file": {"output": str(output_file)}}[case])
+                 "output_file": {"output": str(output_file)}, "gpus": {"num_gpus": "2"}}[case])
+    if case == "gpus" and cuda_driver_loadable():
+        pytest.skip("a machine with a CUDA driver may have 2 GPUs")
     result = run_sample(*(f"--{k}={v}" for k, v in args.items()), "--num_images=2")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
     assert output_file.read_text() == "keep me"
     assert not os.path.exists(tmp_path / "out")
+
+
+def job(logdir, output, **changes):
+    """4-step DDIM samples of the tiny run, written to ``output``."""
+    values = dict(ckpt=str(logdir), output=str(output), num_images=6, sampler="ddim", steps=4, batch_size=4,
+                  progress=False)
+    return sampling.SampleJob(**{**values, **changes})
+
+
+def test_a_spawned_process_needs_only_the_job(logdir, tmp_path):
+    """What a launched sampling process gets: a fresh interpreter (spawn), no parsed flags, the job."""
+    here = job(logdir, tmp_path / "here")
+    assert sampling.run_job(here) == 3
+    process = multiprocessing.get_context("spawn").Process(target=sampling.sample_share,
+                                                           args=(job(logdir, tmp_path / "spawned"),))
+    process.start()
+    process.join(timeout=240)
+    assert process.exitcode == 0
+    np.testing.assert_array_equal(sampling.read_samples(tmp_path / "spawned", 6), sampling.read_samples(here.output, 6))
+
+
+def test_two_gpus_go_through_the_spawn_launcher_and_split_the_images(logdir, tmp_path, monkeypatch):
+    """``run_job`` with --num_gpus 2, MegEngine's launcher replaced by one that runs both ranks here."""
+    launches, start_methods = [], []
+
+    def fake_launcher(func, n_gpus, world_size, rank_start, master_ip, port):
+        launches.append((n_gpus, world_size, rank_start))
+
+        def call(*args):
+            func_copy, args_copy = pickle.loads(pickle.dumps((func, args)))  # what spawning needs
+            for rank in range(n_gpus):
+                monkeypatch.setattr(distributed, "rank_and_world", lambda rank=rank: (rank, n_gpus))
+                func_copy(*args_copy)
+
+        return call
+
+    monkeypatch.setattr(quiet_megengine().distributed, "launcher", fake_launcher)
+    monkeypatch.setattr(multiprocessing, "set_start_method", lambda method, force=False: start_methods.append(method))
+    monkeypatch.setattr(distributed, "cuda_available", lambda: True)
+    assert sampling.run_job(job(logdir, tmp_path / "two"), num_gpus=2) == 3
+    assert launches == [(2, 2, 0)] and start_methods == ["spawn"]
+    monkeypatch.undo()
+    sampling.run_job(job(logdir, tmp_path / "one"))
+    np.testing.assert_array_equal(sampling.read_samples(tmp_path / "two", 6), sampling.read_samples(tmp_path / "one", 6))
+
+
+@pytest.mark.gpu
+def test_launched_sampling_on_gpus_equals_one_process(logdir, tmp_path):
+    gpus = min(2, quiet_megengine().device.get_device_count("gpu"))
+    sampling.run_job(job(logdir, tmp_path / "one"))
+    launched = job(logdir, tmp_path / "launched")
+    if gpus > 1:
+        sampling.run_job(launched, num_gpus=gpus)
+    else:  # one GPU: still through the launcher, as one spawned process
+        sampling.prepare_output(launched.output, launched.manifest(3))
+        distributed.launch(sampling.sample_share, (launched,), 1, use_launcher=True)
+    one, many = (sampling.read_samples(tmp_path / name, 6).astype(int) for name in ("one", "launched"))
+    assert np.abs(one - many).max() <= 1  # other processes, maybe other GPUs: rounding may differ

@@ -1,4 +1,4 @@
-"""Running one training function on one device or on several through ``megengine.distributed``.
+"""Running one function (training, sampling) on one device or on several through ``megengine.distributed``.
 
 Single process: ``launch`` calls the worker directly with world size 1, rank 0. More GPUs (or a
 multi-machine ``--world_size``): one process per local GPU through ``megengine.distributed.launcher``;
@@ -17,35 +17,38 @@ class LaunchError(MegdiffusionError):
     """Distributed settings this machine cannot run; the message is one line."""
 
 
-def is_multiprocess(cfg):
-    """Whether the config asks for more than one training process."""
-    return cfg.num_gpus > 1 or cfg.total_world_size > 1
+def is_multiprocess(num_gpus, world_size=None):
+    """Whether the settings ask for more than one process (``world_size`` None: ``num_gpus``)."""
+    return num_gpus > 1 or (world_size or num_gpus) > 1
 
 
-def check_launch(cfg):
+def check_launch(num_gpus, device="auto", world_size=None, rank_start=0, port=0):
     """Fail early, in one line, when the device or distributed flags cannot work here."""
-    if is_multiprocess(cfg) and cfg.device == "cpu":
-        raise LaunchError("distributed training runs on GPUs only; drop --device cpu or use --num_gpus 1")
-    wants_gpu = cfg.device == "gpu" or is_multiprocess(cfg)
-    if wants_gpu and not cuda_available():
-        what = f"--num_gpus {cfg.num_gpus}" if is_multiprocess(cfg) else "--device gpu"
+    multiprocess = is_multiprocess(num_gpus, world_size)
+    if multiprocess and device == "cpu":
+        raise LaunchError("distributed runs use GPUs only; drop --device cpu or use --num_gpus 1")
+    if (device == "gpu" or multiprocess) and not cuda_available():
+        what = f"--num_gpus {num_gpus}" if multiprocess else "--device gpu"
         raise LaunchError(f"{what} needs CUDA GPUs, but MegEngine sees none on this machine; "
-                          "use --num_gpus 1 --device cpu")
-    if cfg.rank_start > 0 and cfg.port == 0:
+                          f"use {'--num_gpus 1' if multiprocess else '--device cpu'}")
+    if rank_start > 0 and port == 0:
         raise LaunchError("--rank_start > 0 (a machine other than the master) needs the master's --port")
 
 
-def launch(worker, cfg, *args, use_launcher=None):
-    """Run ``worker(cfg, *args)`` once here, or once per local GPU through MegEngine's launcher.
+def launch(worker, args, num_gpus=1, world_size=None, rank_start=0, master_ip="localhost", port=0,
+           use_launcher=None):
+    """Run ``worker(*args)`` here, or once per local GPU in spawned processes through MegEngine's launcher.
 
-    ``use_launcher``: None = only for more than one process; True also launches a single GPU process.
+    Launched: returns the list of the local processes' results; ``worker`` and ``args`` must pickle, and
+    each process asks ``rank_and_world()`` who it is. ``use_launcher``: None = only for more than one
+    process; True launches a single GPU process too.
     """
-    if not (is_multiprocess(cfg) if use_launcher is None else use_launcher):
-        return worker(cfg, *args)
+    if not (is_multiprocess(num_gpus, world_size) if use_launcher is None else use_launcher):
+        return worker(*args)
     dist = quiet_megengine().distributed
     multiprocessing.set_start_method("spawn", force=True)
-    return dist.launcher(worker, n_gpus=cfg.num_gpus, world_size=cfg.total_world_size,
-                         rank_start=cfg.rank_start, master_ip=cfg.master_ip, port=cfg.port)(cfg, *args)
+    return dist.launcher(worker, n_gpus=num_gpus, world_size=world_size or num_gpus, rank_start=rank_start,
+                         master_ip=master_ip, port=port)(*args)
 
 
 def rank_and_world():

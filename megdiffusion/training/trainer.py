@@ -245,8 +245,9 @@ def train(cfg, images, progress=True, use_launcher=None):
     each load the dataset themselves rather than receive a pickled copy. ``use_launcher``: see
     ``distributed.launch``. Returns the step reached (a list, one per local rank, when launched).
     """
-    distributed.check_launch(cfg)
+    distributed.check_launch(cfg.num_gpus, cfg.device, cfg.world_size, cfg.rank_start, cfg.port)
     check_logdir(cfg)
     write_run_files(cfg)
-    launched = distributed.is_multiprocess(cfg) if use_launcher is None else use_launcher
-    return distributed.launch(_worker, cfg, None if launched else images, progress, use_launcher=launched)
+    launched = distributed.is_multiprocess(cfg.num_gpus, cfg.world_size) if use_launcher is None else use_launcher
+    return distributed.launch(_worker, (cfg, None if launched else images, progress), cfg.num_gpus, cfg.world_size,
+                              cfg.rank_start, cfg.master_ip, cfg.port, use_launcher=launched)
