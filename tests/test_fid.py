@@ -6,6 +6,7 @@ import sys
 import numpy as np
 import pytest
 import scipy.linalg
+from PIL import Image
 
 from megdiffusion.metrics import fid
 
@@ -128,16 +129,6 @@ def test_fid_rejects_mismatched_statistics():
         fid.frechet_distance(np.full(2, np.nan), np.eye(2), np.zeros(2), np.eye(2))
 
 
-def test_inception_score_closed_forms():
-    uniform = np.zeros((40, 1008))
-    assert fid.inception_score(uniform, splits=10) == pytest.approx((1.0, 0.0), abs=1e-12)
-    one_hot = np.tile(np.eye(4) * 50.0, (10, 1))  # every split holds each of the 4 classes once, confidently
-    mean, std = fid.inception_score(one_hot, splits=10)
-    assert mean == pytest.approx(4.0, rel=1e-6) and std == pytest.approx(0.0, abs=1e-6)
-    with pytest.raises(fid.FIDError):
-        fid.inception_score(np.zeros((5, 3)), splits=10)
-
-
 # --- files and sources ------------------------------------------------------------------------------
 
 def test_statistics_file_round_trip_and_format(tmp_path):
@@ -159,25 +150,27 @@ def test_bad_sources_are_reported(tmp_path):
     with pytest.raises(fid.FIDError, match="is not a directory"):
         fid.statistics_for_source(str(tmp_path / "missing"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(fid.FIDError, match="no .png"):
+    with pytest.raises(fid.FIDError, match=r"no images \(.png, .jpg, .jpeg, .bmp, .webp"):
         fid.statistics_for_source(str(tmp_path / "empty"))
     with pytest.raises(fid.FIDError, match="fewer than --num_images"):
         fid.statistics_for_source("fashion_mnist", num_images=20_000)
 
 
 def test_real_images_give_same_statistics_from_every_source(tmp_path, monkeypatch):
-    """6 embedded Fashion-MNIST images through the network, read as a dataset, an npz and PNG files."""
+    """6 embedded Fashion-MNIST images through the network, read as a dataset, an npz, PNG and WebP files."""
     from megdiffusion.data.datasets import load_dataset
     from megdiffusion.images import save_png
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     images = load_dataset("fashion_mnist")[:6]
     np.savez(tmp_path / "images.npz", arr_0=images)
+    (tmp_path / "webps").mkdir()
     for i, image in enumerate(images):
         save_png(str(tmp_path / "pngs" / f"{i // 3}" / f"{i:02d}.png"), image[..., 0])
+        Image.fromarray(image[..., 0]).save(tmp_path / "webps" / f"{i:02d}.webp", lossless=True)
     mu, sigma = fid.statistics_for_source("fashion_mnist", batch_size=4, num_images=6)
     assert mu.shape == (2048,) and sigma.shape == (2048, 2048) and np.all(mu >= 0) and mu.max() > 0.1
-    for source in (str(tmp_path / "images.npz"), str(tmp_path / "pngs")):
+    for source in (str(tmp_path / "images.npz"), str(tmp_path / "pngs"), str(tmp_path / "webps")):
         other_mu, other_sigma = fid.statistics_for_source(source, batch_size=4)
         np.testing.assert_allclose(other_mu, mu, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(other_sigma, sigma, rtol=1e-4, atol=1e-6)
@@ -205,10 +198,8 @@ def test_cli_save_stats_and_bad_input(tmp_path):
     images = np.random.default_rng(10).integers(0, 256, (3, 16, 16, 3), dtype=np.uint8)
     np.savez(tmp_path / "images.npz", arr_0=images)
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
-    result = _run_cli("--save_stats", "--inception_score", str(tmp_path / "images.npz"),
-                      str(tmp_path / "out.npz"), env_extra=env)
+    result = _run_cli("--save_stats", str(tmp_path / "images.npz"), str(tmp_path / "out.npz"), env_extra=env)
     assert result.returncode == 0, result.stderr
-    assert "Inception Score unavailable: these weights stop at pool3" in result.stderr
     mu, sigma = fid.load_statistics(str(tmp_path / "out.npz"))
     expected_mu, expected_sigma = fid.statistics_of_images(images)
     np.testing.assert_allclose(mu, expected_mu, rtol=1e-5, atol=1e-6)

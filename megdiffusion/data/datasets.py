@@ -82,21 +82,39 @@ def _centre_crop_resize(image, size):
     return image if side == size else image.resize((size, size), Image.BICUBIC)
 
 
+class ImageFolder:
+    """The images under a directory (recursive, sorted paths, ``IMAGE_EXTENSIONS``), read lazily as uint8
+    HWC RGB; with ``image_size``, centre-cropped to a square and resized to it. Training's "folder"
+    dataset and FID's image directories both read through it."""
+
+    def __init__(self, root, image_size=None):
+        self.paths = sorted(p for p in Path(root).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+        if not self.paths:
+            raise DatasetError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) found under {root}")
+        self.image_size = image_size
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        path = self.paths[index]
+        try:
+            with Image.open(path) as image:
+                image = image.convert("RGB")
+                return np.asarray(_centre_crop_resize(image, self.image_size) if self.image_size else image)
+        except (OSError, UnidentifiedImageError) as exc:
+            raise DatasetError(f"unreadable image {path}: {exc}; remove or replace it") from None
+
+
 def _folder(path, image_size):
     if path is None or not Path(path).is_dir():
         raise DatasetError(f"--data_path must be a directory of images for dataset 'folder', got {path!r}")
     if not image_size:
         raise DatasetError("dataset 'folder' needs --image_size (images are centre-cropped and resized to it)")
-    files = sorted(p for p in Path(path).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
-    if not files:
-        raise DatasetError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) found under {path}")
-    images = np.empty((len(files), image_size, image_size, 3), np.uint8)
-    for i, file in enumerate(files):
-        try:
-            with Image.open(file) as image:
-                images[i] = np.asarray(_centre_crop_resize(image.convert("RGB"), image_size))
-        except (OSError, UnidentifiedImageError) as exc:
-            raise DatasetError(f"unreadable image {file}: {exc}; remove or replace it") from None
+    folder = ImageFolder(path, image_size)
+    images = np.empty((len(folder), image_size, image_size, 3), np.uint8)
+    for i in range(len(folder)):
+        images[i] = folder[i]
     return images
 
 

@@ -1,4 +1,4 @@
-"""Evaluation metrics: FID (and Inception Score from logits) with the TF-2015 Inception network.
+"""Evaluation metrics: FID with the TF-2015 Inception network.
 
 ``megdiffusion.metrics.fid`` holds preprocessing, statistics and distances; ``megdiffusion.metrics.inception``
 the network and its torch-free weight reader (imported lazily: it imports MegEngine).

@@ -1,6 +1,6 @@
-"""Frechet Inception Distance (and Inception Score from logits), following the TTUR / pytorch-fid protocol.
+"""Frechet Inception Distance, following the TTUR / pytorch-fid protocol.
 
-Protocol (see README "Evaluation"):
+Protocol (see the README's "FID"):
 - network: the TF Inception-v3 "2015-12-05" graph, pool3 features (``megdiffusion.metrics.inception``);
 - input: RGB uint8; grayscale repeated to 3 channels; bilinear resize to 299x299 with
   ``align_corners=False`` semantics and no antialiasing (pytorch-fid's ``F.interpolate``), done on the
@@ -120,7 +120,8 @@ def get_inception(weights_path=None):
 
 
 def _batch(images, start, stop):
-    """uint8 NCHW-ready batch from an NHWC array or a sequence of HWC images (sizes may differ)."""
+    """The network input (``preprocess``) for ``images[start:stop]``: an NHWC array, or a sequence of
+    uint8 HWC images whose sizes may differ."""
     if isinstance(images, np.ndarray):
         return preprocess(images[start:stop])
     items = [np.asarray(images[i]) for i in range(start, stop)]
@@ -132,7 +133,7 @@ def _batch(images, start, stop):
 def statistics_of_images(images, batch_size=50, progress=False, weights_path=None):
     """(mu, sigma) in float64 of the pool3 features of ``images``.
 
-    ``images``: uint8 NHWC array, or a sequence of uint8 HWC images (e.g. :class:`ImageFiles`), read
+    ``images``: uint8 NHWC array, or a sequence of uint8 HWC images (e.g. ``datasets.ImageFolder``), read
     batch by batch. ``progress`` shows a tqdm bar with images/s on stderr.
     """
     if batch_size < 1:
@@ -179,24 +180,6 @@ def frechet_distance(mu1, sigma1, mu2, sigma2):
     return float(max(fid, 0.0))
 
 
-def inception_score(logits, splits=10):
-    """(mean, std) over ``splits`` of exp(E_x KL(p(y|x) || p(y))), from (N, classes) logits.
-
-    The TTUR/Salimans protocol uses the 1008-way logits (pool3 x fc weights, no bias) and 10 splits.
-    """
-    logits = np.asarray(logits, np.float64)
-    if logits.ndim != 2 or len(logits) < splits or splits < 1:
-        raise FIDError(f"need (N, classes) logits with N >= splits={splits}, got {logits.shape}")
-    logits = logits - logits.max(axis=1, keepdims=True)
-    log_p = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-    scores = []
-    for part in np.array_split(log_p, splits):
-        p = np.exp(part)
-        log_marginal = np.log(p.mean(axis=0))
-        scores.append(np.exp((p * (part - log_marginal)).sum(axis=1).mean()))
-    return float(np.mean(scores)), float(np.std(scores))
-
-
 # ---------------------------------------------------------------------------------------------------
 # Statistics files and sources.
 
@@ -219,48 +202,19 @@ def load_statistics(path):
     return mu, sigma
 
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
-
-
-class ImageFiles:
-    """The png/jpg images under a directory (recursive, sorted paths), read lazily as uint8 HWC RGB."""
-
-    def __init__(self, root):
-        self.paths = sorted(
-            os.path.join(folder, name)
-            for folder, _, names in os.walk(root)
-            for name in names
-            if name.lower().endswith(IMAGE_SUFFIXES)
-        )
-
-    def __len__(self):
-        return len(self.paths)
-
-    def __getitem__(self, index):
-        from megdiffusion.images import read_image
-
-        try:
-            return read_image(self.paths[index])
-        except OSError as exc:
-            raise FIDError(f"unreadable image {self.paths[index]}: {exc}") from None
-
-
 def images_for_source(spec):
-    """The images named by ``spec``: a directory of png/jpg (recursive), an npz with uint8 NHWC
+    """The images named by ``spec``: a directory of images (recursive, read lazily), an npz with uint8 NHWC
     ``arr_0``, "fashion_mnist" (the embedded split) or "fashion_mnist:DIR", or "cifar10:DIR" (python
-    batches, train split). Returns a uint8 NHWC array or an :class:`ImageFiles`.
+    batches, train split). Returns a uint8 NHWC array or a ``datasets.ImageFolder``.
     """
-    from megdiffusion.data.datasets import DatasetError, load_dataset
+    from megdiffusion.data.datasets import DatasetError, ImageFolder, load_dataset
 
     name, _, path = spec.partition(":")
     try:
         if name in ("fashion_mnist", "cifar10") and not os.path.exists(spec):
             return load_dataset(name, path or None)
         if os.path.isdir(spec):
-            files = ImageFiles(spec)
-            if len(files) == 0:
-                raise FIDError(f"no {'/'.join(IMAGE_SUFFIXES)} images under {spec}")
-            return files
+            return ImageFolder(spec)
         if spec.endswith(".npz") and os.path.isfile(spec):
             return load_dataset("npz", spec)
     except DatasetError as exc:

