@@ -1,4 +1,6 @@
 """What many tests share: the tiny training config and the random images they train on."""
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -20,3 +22,22 @@ def tiny_config():
 def tiny_images():
     """``tiny_images(n)``: n random 8x8 gray uint8 images, the same for every call with the same n."""
     return lambda n: np.random.default_rng(0).integers(0, 256, size=(n, 8, 8, 1), dtype=np.uint8)
+
+
+@pytest.fixture(scope="session")
+def synchronous():
+    """``with synchronous():`` runs MegEngine at async_level 0, where shape inference is checked eagerly
+    (where MegEngine 1.9's upsample bug showed, see ``compat.upsample_nearest_2x``)."""
+    from megdiffusion.compat import quiet_megengine
+
+    @contextlib.contextmanager
+    def scope():
+        config = quiet_megengine().config
+        old = config.async_level
+        config.async_level = 0
+        try:
+            yield
+        finally:
+            config.async_level = old
+
+    return scope

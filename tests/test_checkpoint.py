@@ -10,7 +10,6 @@ import pytest
 from megdiffusion import sampling
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.training import checkpoint as ckpt
-from megdiffusion.training.config import TrainConfig
 from megdiffusion.training.trainer import TrainingRun
 
 mge = quiet_megengine()
@@ -21,13 +20,14 @@ def fake_state(step):
             "optimizer": {}, "loader": {"epoch": 0, "position": step}}
 
 
-def tiny_run(logdir, **changes):
-    values = dict(image_size=8, image_channels=1, model_channels=32, channel_mult=(1,), norm_groups=8, num_res_blocks=1,
-                  attention_resolutions=(), dropout=0.0, num_timesteps=50, batch_size=4, total_steps=4,
-                  save_every=2, keep_checkpoints=5, sample_every=0, logdir=str(logdir), ema_decay=0.5)
-    values.update(changes)
-    images = np.random.default_rng(0).integers(0, 256, size=(16, 8, 8, 1), dtype=np.uint8)
-    return TrainingRun(TrainConfig(**values), images, progress=False)
+@pytest.fixture
+def tiny_run(tiny_config, tiny_images):
+    """``tiny_run(logdir, **changes)``: a 4-step tiny run that saves every 2 steps."""
+    def make(logdir, **changes):
+        values = dict(batch_size=4, total_steps=4, save_every=2, keep_checkpoints=5, ema_decay=0.5, logdir=str(logdir))
+        return TrainingRun(tiny_config(**{**values, **changes}), tiny_images(16), progress=False)
+
+    return make
 
 
 def test_save_is_atomic_and_round_trips(tmp_path):
@@ -88,7 +88,7 @@ def test_unloadable_checkpoints_raise_one_line_errors(tmp_path):
         ckpt.load_checkpoint(path)
 
 
-def test_resume_skips_a_corrupt_newest_checkpoint(tmp_path, capfd):
+def test_resume_skips_a_corrupt_newest_checkpoint(tiny_run, tmp_path, capfd):
     first = tiny_run(tmp_path)
     first.run()
     assert [os.path.basename(p) for p in ckpt.list_checkpoints(str(tmp_path))] == [
@@ -100,19 +100,19 @@ def test_resume_skips_a_corrupt_newest_checkpoint(tmp_path, capfd):
     assert "warning: skipping checkpoint" in capfd.readouterr().err
 
 
-def test_resume_refuses_a_different_model(tmp_path):
+def test_resume_refuses_a_different_model(tiny_run, tmp_path):
     tiny_run(tmp_path, total_steps=2).run()
     with pytest.raises(ckpt.CheckpointError, match="different model_channels"):
         tiny_run(tmp_path, resume=True, model_channels=64).resume()
 
 
-def test_load_model_rebuilds_the_ema_network(tmp_path):
+def test_load_model_rebuilds_the_ema_network(tiny_run, tmp_path):
     run = tiny_run(tmp_path)
     run.run()
     for ema in (True, False):
         model, diffusion, cfg, step = sampling.load_model(str(tmp_path), ema=ema)
         source = run.trainer.ema if ema else run.trainer.model
-        assert step == 4 and cfg == run.cfg and diffusion.num_timesteps == 50
+        assert step == 4 and cfg == run.cfg and diffusion.num_timesteps == 40
         assert not model.training
         for (name, a), (_, b) in zip(model.named_parameters(), source.named_parameters()):
             np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=name)

@@ -11,26 +11,24 @@ from megdiffusion import evaluate
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.metrics import fid
 from megdiffusion.training import checkpoint as ckpt
-from megdiffusion.training.config import TrainConfig
 from megdiffusion.training.trainer import TrainingRun
 
 quiet_megengine()
 
 
-def tiny_config(logdir, **changes):
-    values = dict(image_size=8, image_channels=1, model_channels=32, channel_mult=(1,), norm_groups=8, num_res_blocks=1,
-                  attention_resolutions=(), dropout=0.0, num_timesteps=40, batch_size=8, warmup_steps=0,
-                  total_steps=2, sample_every=0, save_every=0, sample_steps=3, logdir=str(logdir))
-    values.update(changes)
-    return TrainConfig(**values)
+@pytest.fixture
+def run(tiny_config, tiny_images):
+    """``run(logdir, **changes)``: a 2-step tiny run that scores with 3 sampling steps; returns it."""
+    def make(logdir, **changes):
+        cfg = tiny_config(**{**dict(total_steps=2, sample_steps=3, logdir=str(logdir)), **changes})
+        return TrainingRun(cfg, tiny_images(16), progress=False)
+
+    return make
 
 
-IMAGES = np.random.default_rng(0).integers(0, 256, size=(16, 8, 8, 1), dtype=np.uint8)
-
-
-def test_fid_every_writes_fid_to_metrics_and_caches_the_reference(tmp_path, monkeypatch):
-    cfg = tiny_config(tmp_path, fid_every=2, fid_num_images=4)
-    TrainingRun(cfg, IMAGES, progress=False).run()
+def test_fid_every_writes_fid_to_metrics_and_caches_the_reference(run, tmp_path, monkeypatch):
+    training = run(tmp_path, fid_every=2, fid_num_images=4)
+    training.run()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     scored = [r for r in records if "fid" in r]
     assert [r["step"] for r in scored] == [2] and scored[0]["fid_num_images"] == 4
@@ -40,13 +38,12 @@ def test_fid_every_writes_fid_to_metrics_and_caches_the_reference(tmp_path, monk
 
     # The cached reference is reused: computing it again would fail here.
     monkeypatch.setattr(fid, "statistics_of_images", lambda *a, **k: pytest.fail("recomputed"))
-    again = evaluate.reference_statistics(IMAGES, tmp_path / "fid_reference.npz")
+    again = evaluate.reference_statistics(training.loader.images, tmp_path / "fid_reference.npz")
     np.testing.assert_array_equal(again[1], sigma)
 
 
-def test_fid_cli_scores_a_checkpoint_like_the_training_hook(tmp_path):
-    cfg = tiny_config(tmp_path, fid_every=2, fid_num_images=4)
-    TrainingRun(cfg, IMAGES, progress=False).run()
+def test_fid_cli_scores_a_checkpoint_like_the_training_hook(run, tmp_path):
+    run(tmp_path, fid_every=2, fid_num_images=4).run()
     during_training = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["fid"]
     result = subprocess.run([sys.executable, "-m", "megdiffusion.scripts.fid", f"--ckpt={tmp_path}",
                              "--num_images=4", "--sampler=ddim", "--steps=3", "--seed=0", "--noprogress",
@@ -56,8 +53,7 @@ def test_fid_cli_scores_a_checkpoint_like_the_training_hook(tmp_path):
     assert printed == pytest.approx(during_training, abs=1e-4)
 
 
-def test_time_limit_stops_early_with_a_checkpoint(tmp_path):
-    cfg = tiny_config(tmp_path, total_steps=100000, time_limit_minutes=0.5 / 60)
-    reached = TrainingRun(cfg, IMAGES, progress=False).run()
-    assert 1 <= reached < cfg.total_steps
+def test_time_limit_stops_early_with_a_checkpoint(run, tmp_path):
+    reached = run(tmp_path, total_steps=100000, time_limit_minutes=0.5 / 60).run()
+    assert 1 <= reached < 100000
     assert ckpt.list_checkpoints(str(tmp_path))[-1].endswith(f"ckpt_{reached:07d}.pkl")

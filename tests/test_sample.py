@@ -13,7 +13,6 @@ from megdiffusion.compat import cuda_driver_loadable, quiet_megengine
 from megdiffusion.generation import generate_images
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
-from megdiffusion.training.config import TrainConfig
 from megdiffusion.training.trainer import TrainingRun
 
 quiet_megengine()
@@ -22,14 +21,11 @@ SHAPE = (1, 8, 8)
 
 
 @pytest.fixture(scope="module")
-def logdir(tmp_path_factory):
+def logdir(tmp_path_factory, tiny_config, tiny_images):
     """A tiny trained run: 8x8 gray, T=40, a few steps with a fast EMA so EMA and raw weights differ."""
     logdir = tmp_path_factory.mktemp("run")
-    cfg = TrainConfig(image_size=8, image_channels=1, model_channels=32, channel_mult=(1,), norm_groups=8, num_res_blocks=1,
-                      attention_resolutions=(), dropout=0.0, num_timesteps=40, batch_size=8, warmup_steps=0,
-                      lr=1e-2, ema_decay=0.5, total_steps=3, sample_every=0, save_every=0, logdir=str(logdir))
-    images = np.random.default_rng(0).integers(0, 256, size=(32, 8, 8, 1), dtype=np.uint8)
-    TrainingRun(cfg, images, progress=False).run()
+    cfg = tiny_config(lr=1e-2, ema_decay=0.5, total_steps=3, logdir=str(logdir))
+    TrainingRun(cfg, tiny_images(32), progress=False).run()
     return logdir
 
 

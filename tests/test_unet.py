@@ -1,4 +1,5 @@
-"""UNet: parameter counts, init, layers against numpy references, config checks, a tiny train step."""
+"""UNet: parameter counts, init, layers against numpy references, config checks, shapes (its train step:
+tests/test_training.py)."""
 import math
 import os
 import subprocess
@@ -11,8 +12,6 @@ from megdiffusion.compat import assign_, quiet_megengine
 
 mge = quiet_megengine()
 import megengine.module as M  # noqa: E402
-from megengine.autodiff import GradManager  # noqa: E402
-from megengine.optimizer import Adam  # noqa: E402
 
 from megdiffusion.nn import UNet  # noqa: E402
 from megdiffusion.nn.layers import AttnBlock, timestep_embedding  # noqa: E402
@@ -160,33 +159,12 @@ def test_norm_groups_sets_every_group_norm():
     assert norms and all(m.num_groups == 8 for m in norms)
 
 
-def test_forward_rejects_other_image_sizes():
-    model = UNet(**TINY)
-    with pytest.raises(ValueError, match="8x8"):
-        model(mge.Tensor(np.zeros((1, 1, 16, 16), np.float32)), mge.Tensor([0], dtype="int32"))
-
-
-def test_tiny_forward_backward_learns():
-    mge.random.seed(0)
+def test_forward_shapes():
     model = UNet(**{**TINY, "out_channels": 2})
-    rng = np.random.default_rng(0)
-    x = mge.Tensor(rng.standard_normal((4, 1, 8, 8)).astype(np.float32))
-    t = mge.Tensor([0, 10, 500, 999], dtype="int32")
-    target = mge.Tensor(rng.standard_normal((4, 2, 8, 8)).astype(np.float32))
-    params = list(model.parameters())
-    gm = GradManager().attach(params)
-    opt = Adam(params, lr=1e-3)
-    losses = []
-    for _ in range(5):
-        with gm:
-            out = model(x, t)
-            assert out.shape == (4, 2, 8, 8)
-            loss = ((out - target) ** 2).mean()
-            gm.backward(loss)
-        assert all(p.grad is not None and np.isfinite(p.grad.numpy()).all() for p in params)
-        opt.step().clear_grad()
-        losses.append(float(loss))
-    assert losses[-1] < losses[0] - 0.01
+    t = mge.Tensor([0, 999], dtype="int32")
+    assert model(mge.Tensor(np.zeros((2, 1, 8, 8), np.float32)), t).shape == (2, 2, 8, 8)
+    with pytest.raises(ValueError, match="8x8"):
+        model(mge.Tensor(np.zeros((2, 1, 16, 16), np.float32)), t)
 
 
 @pytest.mark.parametrize("config", [TINY, dict(TINY, channel_mult=(1,), attention_resolutions=(), norm_groups=8)])
