@@ -22,7 +22,7 @@ setup(
     python_requires=">=3.8,<3.11",
     install_requires=["megengine>=1.9", "numpy<2", "absl-py", "tqdm", "pillow", "threadpoolctl>=3"],
     extras_require={
-        "dev": ["pytest", "scipy", "wheel"],
+        "dev": ["pytest", "scipy", "wheel", "ruff>=0.17,<0.18"],
         "tensorboard": ["tensorboardX"],
     },
     entry_points={

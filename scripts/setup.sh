@@ -19,6 +19,8 @@ find_python310() {
 }
 
 verify() {
+    # ruff is the lint gate of scripts/test.sh: a venv made before it was added gets reinstalled.
+    "$VENV/bin/ruff" --version >/dev/null || return 1
     "$VENV/bin/python" - <<'PY'
 import importlib.util
 import megdiffusion, megengine, numpy, absl, tqdm, PIL, pytest, threadpoolctl  # noqa: F401

@@ -178,7 +178,8 @@ def test_two_gpus_go_through_the_spawn_launcher_and_split_the_images(logdir, tmp
     assert launches == [(2, 2, 0)] and start_methods == ["spawn"]
     monkeypatch.undo()
     sampling.run_job(job(logdir, tmp_path / "one"))
-    np.testing.assert_array_equal(sampling.read_samples(tmp_path / "two", 6), sampling.read_samples(tmp_path / "one", 6))
+    np.testing.assert_array_equal(sampling.read_samples(tmp_path / "two", 6),
+                                  sampling.read_samples(tmp_path / "one", 6))
 
 
 @pytest.mark.gpu

@@ -48,8 +48,8 @@ def model_fid(reference_spec):
     model, diffusion, cfg, step = load_model(FLAGS.ckpt, ema=FLAGS.ema)
     check_sampler(diffusion, FLAGS.sampler, FLAGS.steps, FLAGS.eta)
     reference = _statistics(reference_spec)
-    value, _ = score(model, diffusion, cfg.image_shape, reference, FLAGS.num_images, FLAGS.seed, FLAGS.sampler, FLAGS.steps,
-                     FLAGS.eta, FLAGS.batch_size, FLAGS.progress)
+    value, _ = score(model, diffusion, cfg.image_shape, reference, FLAGS.num_images, FLAGS.seed, FLAGS.sampler,
+                     FLAGS.steps, FLAGS.eta, FLAGS.batch_size, FLAGS.progress)
     return value, step
 
 
