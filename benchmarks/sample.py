@@ -15,7 +15,7 @@ from megdiffusion.compat import quiet_megengine
 mge = quiet_megengine()
 from megengine import jit  # noqa: E402
 
-from megdiffusion.training.config import build_diffusion, build_model, config_from_flagfile  # noqa: E402
+from megdiffusion.training.config import CPU_RECIPE, build_diffusion, build_model, config_from_flagfile  # noqa: E402
 
 
 def time_steps(fn, x, t, repeats):
@@ -28,7 +28,7 @@ def time_steps(fn, x, t, repeats):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/fashion_mnist_cpu.cfg")
+    parser.add_argument("--config", default=CPU_RECIPE)
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()

@@ -29,16 +29,14 @@ from megdiffusion.compat import quiet_megengine  # noqa: E402
 quiet_megengine()
 from megdiffusion.images import to_float  # noqa: E402
 from megdiffusion.nn.conv import set_fast_conv  # noqa: E402
-from megdiffusion.training.config import TrainConfig, config_from_flagfile  # noqa: E402
+from megdiffusion.training.config import CPU_RECIPE, TrainConfig, config_from_flagfile  # noqa: E402
 from megdiffusion.training.trainer import Trainer  # noqa: E402
 
-CPU_FLAGFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
-                            "fashion_mnist_cpu.cfg")
 
 
 def cpu_recipe(batch_size=None):
     """Config and a real batch of the CPU recipe (its flagfile; batch size overridden when given)."""
-    cfg, images = config_from_flagfile(CPU_FLAGFILE, **({"batch_size": batch_size} if batch_size else {}))
+    cfg, images = config_from_flagfile(CPU_RECIPE, **({"batch_size": batch_size} if batch_size else {}))
     return cfg, to_float(images[:cfg.batch_size])
 
 

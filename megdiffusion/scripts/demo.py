@@ -16,6 +16,7 @@ from absl import app, flags
 
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import SAMPLERS
+from megdiffusion.training.config import CPU_RECIPE
 from megdiffusion.fileio import save_npz, write_text
 
 FLAGS = flags.FLAGS
@@ -32,11 +33,6 @@ flags.DEFINE_integer("batch_size", 100, "Sampling and Inception batch size.")
 
 MARKER = "demo.json"
 KEPT_ON_RESTART = ("cache", "reference")
-
-
-def default_config():
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
-                        "fashion_mnist_cpu.cfg")
 
 
 def prepare_output(output, resume):
@@ -107,7 +103,7 @@ def main(argv):
         # elsewhere.
         os.environ["XDG_CACHE_HOME"] = os.path.abspath(os.path.join(FLAGS.output, "cache"))
         quiet_megengine()
-        s = demo(FLAGS.output, FLAGS.minutes, FLAGS.resume, FLAGS.config or default_config(),
+        s = demo(FLAGS.output, FLAGS.minutes, FLAGS.resume, FLAGS.config or CPU_RECIPE,
                  FLAGS.num_images, FLAGS.num_reference, FLAGS.sampler, FLAGS.steps, FLAGS.batch_size)
     print(f"\ndemo: {s['steps']} training steps ({s['steps_this_run']} in this run, {s['train_minutes']} min, "
           f"{s['train_images_per_s']} images/s)\n"

@@ -5,7 +5,6 @@ split) is read first, so plain ``python -m megdiffusion.scripts.train`` trains s
 flags given on the command line override it. ``--num_gpus N`` trains on N GPUs with the same recipe.
 Bad flags or data: one line on stderr, exit code 2, nothing written.
 """
-import os
 import sys
 
 from absl import app, flags
@@ -18,8 +17,6 @@ from megdiffusion.training.config import define_flags
 FLAGS = flags.FLAGS
 define_flags(FLAGS)
 flags.adopt_module_key_flags(config)  # so that --help lists the training flags
-PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_FLAGFILE = os.path.join(PACKAGE_DIR, "configs", "fashion_mnist_cpu.cfg")
 
 
 def main(argv):
@@ -38,7 +35,7 @@ def with_default_flagfile(argv):
     """``argv`` with the CPU recipe's flagfile inserted first when no --flagfile is given."""
     if any(arg.startswith(("--flagfile", "-flagfile")) for arg in argv[1:]):
         return argv
-    return [argv[0], f"--flagfile={DEFAULT_FLAGFILE}"] + argv[1:]
+    return [argv[0], f"--flagfile={config.CPU_RECIPE}"] + argv[1:]
 
 
 def run():

@@ -9,6 +9,7 @@ inside every checkpoint (``to_dict``/``from_dict``), so sampling rebuilds the ne
 import dataclasses
 import json
 import operator
+import os
 from dataclasses import dataclass, field, fields
 from typing import Optional, Tuple
 
@@ -16,6 +17,10 @@ from megdiffusion.data.datasets import DATASETS
 from megdiffusion.diffusion.choices import MEAN_TYPES, SAMPLERS, VAR_TYPES
 from megdiffusion.diffusion.schedules import SCHEDULES
 from megdiffusion.errors import MegdiffusionError
+
+# The CPU recipe (the embedded Fashion-MNIST): what the train script and the demo read without a flagfile.
+CPU_RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                          "fashion_mnist_cpu.cfg")
 
 # Bound keywords of ``_flag``: (name, how it reads, the test a value must pass).
 _BOUNDS = (("min", ">=", operator.ge), ("above", ">", operator.gt), ("max", "<=", operator.le),
