@@ -96,3 +96,12 @@ def test_resolve_checks_the_data(tiny_config, tmp_path):
         config.resolve(tiny_config(dataset="npz", data_path=str(few)))
     cfg, images = config.resolve(tiny_config(dataset="npz", data_path=str(few), batch_size=4, image_size=None))
     assert cfg.image_size == 8 and cfg.image_channels == 1 and images.shape == (4, 8, 8, 1)
+
+
+def test_a_flagfile_with_overrides(tiny_config, tiny_images, tmp_path):
+    np.savez(tmp_path / "data.npz", arr_0=tiny_images(16))
+    written = tiny_config(dataset="npz", data_path=str(tmp_path / "data.npz"), random_flip=True)
+    (tmp_path / "flags.cfg").write_text(config.to_flagfile(written))
+    cfg, images = config.config_from_flagfile(tmp_path / "flags.cfg", random_flip=False, channel_mult=(1, 2),
+                                              lr=0.5)
+    assert cfg == written.replace(random_flip=False, channel_mult=(1, 2), lr=0.5) and len(images) == 16

@@ -133,20 +133,19 @@ def flag_fields():
     return [f for f in fields(TrainConfig) if f.metadata.get("flag", True)]
 
 
+def as_flag(name, value):
+    """One setting as absl parses it: ``--name=value``, lists comma-separated, booleans ``--name``/``--noname``."""
+    if isinstance(value, bool):
+        return f"--{name}" if value else f"--no{name}"
+    if isinstance(value, (list, tuple)):
+        value = ",".join(str(v) for v in value)
+    return f"--{name}={value}"
+
+
 def to_flagfile(cfg):
-    """The config as absl flagfile text that reproduces it (``--flagfile=...``)."""
-    lines = []
-    for f in flag_fields():
-        value = getattr(cfg, f.name)
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            lines.append(f"--{f.name}" if value else f"--no{f.name}")
-        elif isinstance(value, tuple):
-            lines.append(f"--{f.name}={','.join(str(v) for v in value)}")
-        else:
-            lines.append(f"--{f.name}={value}")
-    return "\n".join(lines) + "\n"
+    """The config as absl flagfile text that reproduces it (``--flagfile=...``); unset fields are left out."""
+    return "".join(as_flag(f.name, getattr(cfg, f.name)) + "\n" for f in flag_fields()
+                   if getattr(cfg, f.name) is not None)
 
 
 def to_json(cfg):
@@ -266,9 +265,7 @@ def config_from_flagfile(path, **overrides):
 
     flag_values = flags.FlagValues()
     define_flags(flag_values)
-    args = [f"--{name}={','.join(map(str, value)) if isinstance(value, (list, tuple)) else value}"
-            for name, value in overrides.items()]
-    flag_values(["megdiffusion", f"--flagfile={path}"] + args)
+    flag_values(["megdiffusion", f"--flagfile={path}"] + [as_flag(name, value) for name, value in overrides.items()])
     return config_from_flags(flag_values)
 
 
