@@ -50,8 +50,8 @@ def child(args):
     from megdiffusion import batch_threads
     from megdiffusion.images import to_float
     from megdiffusion.nn import conv
-    from megdiffusion.sampling import generate_images
-    from megdiffusion.training.config import config_from_flagfile
+    from megdiffusion.generation import generate_images
+    from megdiffusion.training.config import CPU_RECIPE, config_from_flagfile
     from megdiffusion.training.trainer import Trainer
 
     if args.threads:
@@ -60,10 +60,8 @@ def child(args):
         batch_threads.gc.disable = lambda: None
     fast = not args.native
 
-    cfg, images = config_from_flagfile(os.path.join(ROOT, "configs", "fashion_mnist_cpu.cfg"),
-                                       seed=args.seed)
+    cfg, images = config_from_flagfile(CPU_RECIPE, seed=args.seed)
     trainer = Trainer(cfg)
-    shape = (cfg.image_channels, cfg.image_size, cfg.image_size)
     result = {"steps": 0, "sample_calls": 0, "error": None}
     start = time.monotonic()
     deadline = start + 60 * args.minutes
@@ -74,7 +72,7 @@ def child(args):
             result["steps"] += 1
             if result["steps"] % args.sample_every == 0:
                 conv.set_fast_conv(fast and not args.eval_native)
-                generate_images(trainer.ema, trainer.diffusion, shape, range(args.sample_batch), args.seed,
+                generate_images(trainer.ema, trainer.diffusion, cfg.image_shape, range(args.sample_batch), args.seed,
                                 "ddim", args.sample_steps, batch_size=args.sample_batch)
                 conv.set_fast_conv(fast)
                 result["sample_calls"] += 1
