@@ -4,7 +4,7 @@ import contextlib
 import numpy as np
 import pytest
 
-from megdiffusion.training.config import TrainConfig
+from megdiffusion.training.config import TrainConfig, as_flag
 
 # A one-level 32-channel UNet on 8x8 gray images with T=40: a few CPU steps per second.
 TINY = dict(image_size=8, image_channels=1, model_channels=32, channel_mult=(1,), norm_groups=8, num_res_blocks=1,
@@ -16,6 +16,13 @@ TINY = dict(image_size=8, image_channels=1, model_channels=32, channel_mult=(1,)
 def tiny_config():
     """``tiny_config(**changes)``: the tiny ``TrainConfig`` with some fields changed."""
     return lambda **changes: TrainConfig(**{**TINY, **changes})
+
+
+@pytest.fixture(scope="session")
+def tiny_model_flags():
+    """The tiny config's model as command-line flags, for the scripts."""
+    names = ("model_channels", "channel_mult", "norm_groups", "num_res_blocks", "attention_resolutions")
+    return [as_flag(name, TINY[name]) for name in names]
 
 
 @pytest.fixture(scope="session")

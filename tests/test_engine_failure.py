@@ -10,8 +10,7 @@ from megdiffusion.compat import is_megengine_error, megengine_error_cause
 from megdiffusion.training.checkpoint import list_checkpoints, load_latest
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--model_channels=32", "--channel_mult=1", "--norm_groups=8", "--num_res_blocks=1",
-        "--attention_resolutions=", "--batch_size=8", "--sample_every=0", "--log_every=1", "--save_every=2"]
+SETTINGS = ["--batch_size=8", "--sample_every=0", "--log_every=1", "--save_every=2"]
 
 # The train script, with a real MegEngine error (a C++ assertion) raised inside training step 4.
 FAILING_TRAIN = """
@@ -40,11 +39,11 @@ def run(code_or_module, *args):
                           timeout=240, env=dict(os.environ, PYTHONPATH=str(REPO)))
 
 
-def test_training_failure_is_one_line_exit_1_and_resume_continues(tmp_path):
-    images = np.random.default_rng(0).integers(0, 256, size=(32, 8, 8, 1), dtype=np.uint8)
-    np.savez(tmp_path / "data.npz", images)
+def test_training_failure_is_one_line_exit_1_and_resume_continues(tiny_model_flags, tiny_images, tmp_path):
+    np.savez(tmp_path / "data.npz", tiny_images(32))
     logdir = tmp_path / "run"
-    args = ["--dataset=npz", f"--data_path={tmp_path / 'data.npz'}", *TINY, f"--logdir={logdir}", "--total_steps=6"]
+    args = ["--dataset=npz", f"--data_path={tmp_path / 'data.npz'}", *tiny_model_flags, *SETTINGS, f"--logdir={logdir}",
+            "--total_steps=6"]
 
     failed = run(FAILING_TRAIN, *args)
     assert failed.returncode == 1, failed.stderr

@@ -13,9 +13,6 @@ import pytest
 from megdiffusion.training.checkpoint import list_checkpoints, load_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-# A one-level 32-channel UNet: small enough for a few CPU steps per second.
-TINY_MODEL = ["--model_channels=32", "--channel_mult=1", "--norm_groups=8", "--num_res_blocks=1",
-              "--attention_resolutions="]
 
 
 def train(*args, hashseed=0, timeout=240):
@@ -30,18 +27,17 @@ def error_lines(stderr):
 
 
 @pytest.fixture
-def npz_data(tmp_path):
+def npz_data(tmp_path, tiny_images):
     """32 gray 8x8 images in the npz format."""
-    images = np.random.default_rng(0).integers(0, 256, size=(32, 8, 8, 1), dtype=np.uint8)
     path = tmp_path / "data.npz"
-    np.savez(path, images)
+    np.savez(path, tiny_images(32))
     return str(path)
 
 
-def test_cpu_recipe_end_to_end(tmp_path):
+def test_cpu_recipe_end_to_end(tiny_model_flags, tmp_path):
     logdir = tmp_path / "run"
     result = train("--flagfile=configs/fashion_mnist_cpu.cfg", "--total_steps=20", f"--logdir={logdir}",
-                   *TINY_MODEL, "--batch_size=4", "--sample_every=20", "--sample_num=4", "--sample_steps=2")
+                   *tiny_model_flags, "--batch_size=4", "--sample_every=20", "--sample_num=4", "--sample_steps=2")
     assert result.returncode == 0, result.stderr
     metrics = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [10, 20]
@@ -56,8 +52,8 @@ def test_cpu_recipe_end_to_end(tmp_path):
     assert "--channel_mult=1\n" in flags and "--total_steps=20\n" in flags and "--image_size=28\n" in flags
 
 
-def test_exact_resume_in_a_new_process(tmp_path, npz_data):
-    common = ["--dataset=npz", f"--data_path={npz_data}", *TINY_MODEL, "--dropout=0.1", "--num_timesteps=50",
+def test_exact_resume_in_a_new_process(tiny_model_flags, tmp_path, npz_data):
+    common = ["--dataset=npz", f"--data_path={npz_data}", *tiny_model_flags, "--dropout=0.1", "--num_timesteps=50",
               "--batch_size=8", "--warmup_steps=3", "--sample_every=0", "--save_every=0", "--log_every=1"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     # 6 steps of 8 out of 32 images: the run crosses an epoch boundary after the resume.
@@ -86,9 +82,9 @@ def test_exact_resume_in_a_new_process(tmp_path, npz_data):
     assert losses(split) == losses(straight)
 
 
-def test_sigterm_saves_a_loadable_checkpoint(tmp_path, npz_data):
+def test_sigterm_saves_a_loadable_checkpoint(tiny_model_flags, tmp_path, npz_data):
     logdir = tmp_path / "run"
-    args = ["--dataset=npz", f"--data_path={npz_data}", *TINY_MODEL, "--batch_size=8",
+    args = ["--dataset=npz", f"--data_path={npz_data}", *tiny_model_flags, "--batch_size=8",
             "--total_steps=100000", "--sample_every=0", "--save_every=0", "--log_every=1", f"--logdir={logdir}"]
     proc = subprocess.Popen([sys.executable, "-m", "megdiffusion.scripts.train", *args], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -129,8 +125,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message
     assert not logdir.exists()
 
 
-def test_fresh_run_refuses_a_logdir_with_checkpoints(tmp_path, npz_data):
-    common = ["--dataset=npz", f"--data_path={npz_data}", *TINY_MODEL, "--batch_size=8", "--total_steps=1",
+def test_fresh_run_refuses_a_logdir_with_checkpoints(tiny_model_flags, tmp_path, npz_data):
+    common = ["--dataset=npz", f"--data_path={npz_data}", *tiny_model_flags, "--batch_size=8", "--total_steps=1",
               "--sample_every=0", f"--logdir={tmp_path / 'run'}"]
     assert train(*common).returncode == 0
     result = train(*common)
