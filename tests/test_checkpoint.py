@@ -102,7 +102,7 @@ def test_resume_skips_a_corrupt_newest_checkpoint(tiny_run, tmp_path, capfd):
 
 def test_resume_refuses_a_different_model(tiny_run, tmp_path):
     tiny_run(tmp_path, total_steps=2).run()
-    with pytest.raises(ckpt.CheckpointError, match="different model_channels"):
+    with pytest.raises(ckpt.CheckpointError, match=r"different model_channels \(--model_channels=32\)"):
         tiny_run(tmp_path, resume=True, model_channels=64).resume()
 
 

@@ -8,6 +8,7 @@ from absl import flags
 from megdiffusion.data.datasets import DATASETS
 from megdiffusion.diffusion.choices import MEAN_TYPES, SAMPLERS, VAR_TYPES
 from megdiffusion.diffusion.schedules import SCHEDULES
+from megdiffusion.nn.options import DOWNSAMPLE_PADDINGS, TIME_EMBEDDINGS
 from megdiffusion.training import config
 from megdiffusion.training.config import ConfigError, TrainConfig
 
@@ -51,7 +52,8 @@ def test_every_bound_is_checked_and_inclusive_bounds_pass(tiny_config):
 
 @pytest.mark.parametrize("name, choices", [("dataset", DATASETS), ("beta_schedule", SCHEDULES),
                                            ("mean_type", MEAN_TYPES), ("var_type", VAR_TYPES),
-                                           ("sample_sampler", SAMPLERS)])
+                                           ("sample_sampler", SAMPLERS), ("downsample_padding", DOWNSAMPLE_PADDINGS),
+                                           ("time_embedding", TIME_EMBEDDINGS)])
 def test_choices_come_from_the_code_that_implements_them(tiny_config, name, choices):
     field = next(f for f in dataclasses.fields(TrainConfig) if f.name == name)
     assert field.metadata["choices"] == choices
@@ -83,6 +85,16 @@ def test_unknown_checkpoint_keys():
     assert TrainConfig.from_dict(values) == TrainConfig()
     with pytest.raises(ConfigError, match=r"unknown config keys \['learning_rate'\]"):
         TrainConfig.from_dict({**values, "learning_rate": 1.0})
+
+
+def test_a_stored_config_without_a_later_field_means_what_it_meant_then():
+    values = TrainConfig().to_dict()
+    assert TrainConfig().downsample_padding == "bottom_right"  # new models: Ho's padding
+    del values["downsample_padding"], values["time_embedding"], values["norm_eps"]
+    old = TrainConfig.from_dict(values)  # a checkpoint written before these fields existed
+    assert (old.downsample_padding, old.time_embedding, old.norm_eps) == ("symmetric", "ho", 1e-6)
+    assert TrainConfig.from_dict(TrainConfig(downsample_padding="symmetric").to_dict()).downsample_padding == \
+        "symmetric"
 
 
 def test_resolve_checks_the_data(tiny_config, tmp_path):

@@ -14,7 +14,7 @@ mge = quiet_megengine()
 import megengine.module as M  # noqa: E402
 
 from megdiffusion.nn import UNet  # noqa: E402
-from megdiffusion.nn.layers import AttnBlock, timestep_embedding  # noqa: E402
+from megdiffusion.nn.layers import AttnBlock, Downsample, timestep_embedding  # noqa: E402
 
 # 64 channels at the second level: with 32 channels in 32 groups, GroupNorm removes the per-channel
 # time-embedding shift, and such a UNet would ignore t.
@@ -90,6 +90,38 @@ def test_timestep_embedding_is_hos_formula():
     np.testing.assert_allclose(got, expected, atol=2e-4)
 
 
+def test_timestep_embedding_pytorch_ddpm_is_its_interleaved_table():
+    t = np.array([0, 1, 17, 999])
+    dim = 8
+    freqs = [math.exp(-math.log(10000) * 2 * i / dim) for i in range(dim // 2)]
+    expected = np.array([[f(s * w) for w in freqs for f in (math.sin, math.cos)] for s in t])
+    got = timestep_embedding(mge.Tensor(t, dtype="int32"), dim, "pytorch_ddpm").numpy()
+    np.testing.assert_allclose(got, expected, atol=2e-4)
+
+
+def _conv_stride2(x, weight, bias, pad):
+    """Reference stride-2 3x3 cross-correlation of x (N, C, H, W) zero-padded by ((top, bottom), (left, right))."""
+    x = np.pad(x, ((0, 0), (0, 0)) + pad)
+    ho, wo = (x.shape[2] - 3) // 2 + 1, (x.shape[3] - 3) // 2 + 1
+    out = np.zeros((x.shape[0], weight.shape[0], ho, wo))
+    for i in range(ho):
+        for j in range(wo):
+            out[:, :, i, j] = np.einsum("nckl,ockl->no", x[:, :, 2 * i:2 * i + 3, 2 * j:2 * j + 3], weight)
+    return out + bias.reshape(1, -1, 1, 1)
+
+
+@pytest.mark.parametrize("padding, pad", [("bottom_right", ((0, 1), (0, 1))), ("symmetric", ((1, 1), (1, 1)))])
+def test_downsample_padding(padding, pad):
+    rng = np.random.default_rng(0)
+    block = Downsample(4, padding)
+    assign_(block.conv.bias, mge.Tensor(rng.standard_normal(block.conv.bias.shape).astype(np.float32)))
+    x = rng.standard_normal((2, 4, 6, 6)).astype(np.float32)
+    got = block(mge.Tensor(x)).numpy()
+    expected = _conv_stride2(x, block.conv.weight.numpy(), block.conv.bias.numpy(), pad)
+    assert got.shape == (2, 4, 3, 3)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
 def test_init_follows_ho():
     model = UNet(**TINY)
     params = dict(model.named_parameters())
@@ -146,6 +178,9 @@ def test_attention_matches_numpy():
         (dict(model_channels=32, channel_mult=(1,)), "cannot see the timestep"),
         (dict(model_channels=32, channel_mult=(1, 2), norm_groups=0), "norm_groups must be positive"),
         (dict(channel_mult=()), "at least one"),
+        (dict(downsample_padding="same"), "downsample_padding must be one of bottom_right, symmetric"),
+        (dict(time_embedding="flip"), "time_embedding must be one of ho, pytorch_ddpm"),
+        (dict(norm_eps=0.0), "norm_eps must be positive"),
     ],
 )
 def test_bad_config_raises(kwargs, message):
@@ -153,10 +188,10 @@ def test_bad_config_raises(kwargs, message):
         UNet(**kwargs)
 
 
-def test_norm_groups_sets_every_group_norm():
-    model = UNet(**dict(TINY, norm_groups=8))
+def test_norm_groups_and_eps_set_every_group_norm():
+    model = UNet(**dict(TINY, norm_groups=8, norm_eps=1e-5))
     norms = [m for m in model.modules() if isinstance(m, M.GroupNorm)]
-    assert norms and all(m.num_groups == 8 for m in norms)
+    assert norms and all(m.num_groups == 8 and m.eps == 1e-5 for m in norms)
 
 
 def test_forward_shapes():

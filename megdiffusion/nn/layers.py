@@ -15,9 +15,7 @@ from megengine import Tensor
 
 from megdiffusion.compat import upsample_nearest_2x
 from megdiffusion.nn.conv import Conv2d
-
-GROUPS = 32  # GroupNorm groups and eps: TensorFlow's group_norm defaults used by Ho's code (the default)
-GROUP_NORM_EPS = 1e-6
+from megdiffusion.nn.options import DOWNSAMPLE_PADDING, NORM_EPS, NORM_GROUPS, TIME_EMBEDDING
 
 
 def variance_scaling_(weight, init_scale=1.0):
@@ -26,9 +24,10 @@ def variance_scaling_(weight, init_scale=1.0):
     M.init.xavier_uniform_(weight, gain=math.sqrt(scale))
 
 
-def conv2d(in_channels, out_channels, kernel_size=3, stride=1, init_scale=1.0):
-    """A "same"-padded ``Conv2d`` with Ho's init (zero bias)."""
-    conv = Conv2d(in_channels, out_channels, kernel_size, stride=stride, padding=kernel_size // 2)
+def conv2d(in_channels, out_channels, kernel_size=3, stride=1, init_scale=1.0, padding=None):
+    """A ``Conv2d`` with Ho's init (zero bias), "same"-padded (``kernel_size // 2``) unless ``padding`` is given."""
+    padding = kernel_size // 2 if padding is None else padding
+    conv = Conv2d(in_channels, out_channels, kernel_size, stride=stride, padding=padding)
     variance_scaling_(conv.weight, init_scale)
     M.init.zeros_(conv.bias)
     return conv
@@ -42,9 +41,9 @@ def linear(in_features, out_features, init_scale=1.0):
     return layer
 
 
-def group_norm(channels, groups=GROUPS):
-    """GroupNorm(groups, channels, eps=1e-6) with affine parameters (Ho: 32 groups)."""
-    return M.GroupNorm(groups, channels, eps=GROUP_NORM_EPS)
+def group_norm(channels, groups=NORM_GROUPS, eps=NORM_EPS):
+    """GroupNorm(groups, channels, eps) with affine parameters (Ho: 32 groups, eps 1e-6)."""
+    return M.GroupNorm(groups, channels, eps=eps)
 
 
 def silu(x):
@@ -53,18 +52,23 @@ def silu(x):
     return x * F.sigmoid(x)
 
 
-def timestep_embedding(t, dim):
-    """Ho's sinusoidal embedding of integer (or fractional) timesteps ``t`` (shape (N,)) -> (N, dim).
+def timestep_embedding(t, dim, kind=TIME_EMBEDDING):
+    """The sinusoidal embedding of integer (or fractional) timesteps ``t`` (shape (N,)) -> (N, dim).
 
-    half = dim / 2, frequencies exp(-log(10000) * i / (half - 1)) for i = 0..half-1, then [sin, cos].
-    Computed per call: the table is not a parameter and never reaches a checkpoint.
+    ``kind`` "ho": half = dim / 2, frequencies exp(-log(10000) * i / (half - 1)) for i = 0..half-1, then
+    [sin, cos]. "pytorch_ddpm": frequencies exp(-log(10000) * 2i / dim), then sin and cos interleaved
+    (sin f0, cos f0, sin f1, ...), the rows of pytorch-ddpm's table. Computed per call: the table is not a
+    parameter and never reaches a checkpoint.
     """
     if dim % 2 or dim < 4:
         raise ValueError(f"timestep embedding dim must be even and >= 4, got {dim}")
     half = dim // 2
-    freqs = np.exp(-math.log(10000.0) * np.arange(half, dtype=np.float64) / (half - 1))
+    steps = np.arange(half, dtype=np.float64)
+    freqs = np.exp(-math.log(10000.0) * (steps / (half - 1) if kind == "ho" else 2 * steps / dim))
     args = F.expand_dims(t.astype("float32"), 1) * Tensor(freqs[None, :].astype(np.float32))
-    return F.concat([F.sin(args), F.cos(args)], axis=1)
+    if kind == "ho":
+        return F.concat([F.sin(args), F.cos(args)], axis=1)
+    return F.stack([F.sin(args), F.cos(args)], axis=2).reshape(-1, dim)
 
 
 class ResBlock(M.Module):
@@ -73,12 +77,12 @@ class ResBlock(M.Module):
     The skip is a 1x1 conv (Ho's ``nin_shortcut``) when the channel count changes, else identity.
     """
 
-    def __init__(self, in_channels, out_channels, temb_channels, dropout, groups=GROUPS):
+    def __init__(self, in_channels, out_channels, temb_channels, dropout, norm=group_norm):
         super().__init__()
-        self.norm1 = group_norm(in_channels, groups)
+        self.norm1 = norm(in_channels)
         self.conv1 = conv2d(in_channels, out_channels)
         self.temb_proj = linear(temb_channels, out_channels)
-        self.norm2 = group_norm(out_channels, groups)
+        self.norm2 = norm(out_channels)
         self.dropout = M.Dropout(dropout)
         self.conv2 = conv2d(out_channels, out_channels, init_scale=0.0)
         self.skip = conv2d(in_channels, out_channels, kernel_size=1) if in_channels != out_channels else None
@@ -95,9 +99,9 @@ class ResBlock(M.Module):
 class AttnBlock(M.Module):
     """Single-head self-attention over all positions: GN, 1x1 q/k/v, softmax(q k^T / sqrt(C)) v, 1x1 proj."""
 
-    def __init__(self, channels, groups=GROUPS):
+    def __init__(self, channels, norm=group_norm):
         super().__init__()
-        self.norm = group_norm(channels, groups)
+        self.norm = norm(channels)
         self.q = conv2d(channels, channels, kernel_size=1)
         self.k = conv2d(channels, channels, kernel_size=1)
         self.v = conv2d(channels, channels, kernel_size=1)
@@ -115,13 +119,17 @@ class AttnBlock(M.Module):
 
 
 class Downsample(M.Module):
-    """3x3 convolution with stride 2 (padding 1 on every side; TF's "SAME" pads only bottom/right)."""
+    """3x3 convolution with stride 2. ``padding`` "bottom_right": one row and column of zeros at the bottom
+    and right (TF's "SAME" on even sizes, Ho's network); "symmetric": one on every side."""
 
-    def __init__(self, channels):
+    def __init__(self, channels, padding=DOWNSAMPLE_PADDING):
         super().__init__()
-        self.conv = conv2d(channels, channels, stride=2)
+        self.bottom_right = padding == "bottom_right"
+        self.conv = conv2d(channels, channels, stride=2, padding=0 if self.bottom_right else 1)
 
     def forward(self, x):
+        if self.bottom_right:
+            x = F.nn.pad(x, ((0, 0), (0, 0), (0, 1), (0, 1)))
         return self.conv(x)
 
 

@@ -5,11 +5,12 @@ Parameter names follow Ho's scopes: ``down.<level>.blocks.<i>``, ``down.<level>.
 full resolution, as in Ho's ``down_0``/``up_0``), ``conv_in``, ``norm_out``, ``conv_out``.
 The paper's CIFAR-10 config (the defaults) has 35,746,307 parameters.
 """
+import functools
+
 import megengine.functional as F
 import megengine.module as M
 
 from megdiffusion.nn.layers import (
-    GROUPS,
     AttnBlock,
     Downsample,
     ResBlock,
@@ -19,6 +20,14 @@ from megdiffusion.nn.layers import (
     linear,
     silu,
     timestep_embedding,
+)
+from megdiffusion.nn.options import (
+    DOWNSAMPLE_PADDING,
+    DOWNSAMPLE_PADDINGS,
+    NORM_EPS,
+    NORM_GROUPS,
+    TIME_EMBEDDING,
+    TIME_EMBEDDINGS,
 )
 
 
@@ -64,8 +73,16 @@ class UpLevel(M.Module):
         return h
 
 
-def check_config(model_channels, channel_mult, attention_resolutions, image_size, norm_groups=GROUPS):
-    """Raise ValueError (one line) for a UNet shape that cannot be built for ``image_size``."""
+def check_config(model_channels, channel_mult, attention_resolutions, image_size, norm_groups=NORM_GROUPS,
+                 norm_eps=NORM_EPS, downsample_padding=DOWNSAMPLE_PADDING, time_embedding=TIME_EMBEDDING):
+    """Raise ValueError (one line) for a UNet that cannot be built for ``image_size``."""
+    if downsample_padding not in DOWNSAMPLE_PADDINGS:
+        raise ValueError(f"downsample_padding must be one of {', '.join(DOWNSAMPLE_PADDINGS)}, "
+                         f"got {downsample_padding!r}")
+    if time_embedding not in TIME_EMBEDDINGS:
+        raise ValueError(f"time_embedding must be one of {', '.join(TIME_EMBEDDINGS)}, got {time_embedding!r}")
+    if not norm_eps > 0:
+        raise ValueError(f"norm_eps must be positive, got {norm_eps}")
     if not channel_mult:
         raise ValueError("channel_mult must list at least one multiplier, e.g. (1, 2, 2, 2)")
     if norm_groups < 1:
@@ -104,9 +121,10 @@ class UNet(M.Module):
     ``forward(x, t)``: x float32 (N, in_channels, image_size, image_size), t (N,) integer timesteps of the
     original chain; returns (N, out_channels, image_size, image_size), ``out_channels`` defaulting to
     ``in_channels``. Attention is used at the resolutions in ``attention_resolutions`` and always in the
-    middle block. ``norm_groups`` is the GroupNorm group count (Ho: 32). The time embedding is added per
-    channel before a GroupNorm, so it only reaches the output through levels with more than one channel
-    per group; small models (the CPU recipe) use fewer groups.
+    middle block. ``norm_groups`` and ``norm_eps`` set every GroupNorm (Ho: 32, 1e-6). The time embedding is
+    added per channel before a GroupNorm, so it only reaches the output through levels with more than one
+    channel per group; small models (the CPU recipe) use fewer groups. ``downsample_padding`` and
+    ``time_embedding`` choose between Ho's network (the defaults) and pytorch-ddpm's (``nn.options``).
     """
 
     def __init__(
@@ -119,12 +137,18 @@ class UNet(M.Module):
         attention_resolutions=(16,),
         dropout=0.1,
         image_size=32,
-        norm_groups=GROUPS,
+        norm_groups=NORM_GROUPS,
+        norm_eps=NORM_EPS,
+        downsample_padding=DOWNSAMPLE_PADDING,
+        time_embedding=TIME_EMBEDDING,
     ):
         super().__init__()
-        check_config(model_channels, channel_mult, attention_resolutions, image_size, norm_groups)
+        check_config(model_channels, channel_mult, attention_resolutions, image_size, norm_groups, norm_eps,
+                     downsample_padding, time_embedding)
         self.model_channels = model_channels
         self.image_size = image_size
+        self.time_embedding = time_embedding
+        norm = functools.partial(group_norm, groups=norm_groups, eps=norm_eps)
         temb_channels = 4 * model_channels
         self.temb_dense0 = linear(model_channels, temb_channels)
         self.temb_dense1 = linear(temb_channels, temb_channels)
@@ -139,20 +163,20 @@ class UNet(M.Module):
             blocks, attns = [], []
             for _ in range(num_res_blocks):
                 out = model_channels * mult
-                blocks.append(ResBlock(channels, out, temb_channels, dropout, norm_groups))
+                blocks.append(ResBlock(channels, out, temb_channels, dropout, norm))
                 channels = out
                 if resolution in attention_resolutions:
-                    attns.append(AttnBlock(channels, norm_groups))
+                    attns.append(AttnBlock(channels, norm))
                 skip_channels.append(channels)
             downsample = None
             if level != len(channel_mult) - 1:
-                downsample = Downsample(channels)
+                downsample = Downsample(channels, downsample_padding)
                 skip_channels.append(channels)
             self.down.append(DownLevel(blocks, attns, downsample))
 
-        self.mid_block1 = ResBlock(channels, channels, temb_channels, dropout, norm_groups)
-        self.mid_attn = AttnBlock(channels, norm_groups)
-        self.mid_block2 = ResBlock(channels, channels, temb_channels, dropout, norm_groups)
+        self.mid_block1 = ResBlock(channels, channels, temb_channels, dropout, norm)
+        self.mid_attn = AttnBlock(channels, norm)
+        self.mid_block2 = ResBlock(channels, channels, temb_channels, dropout, norm)
 
         up_levels = []
         for level, mult in reversed(list(enumerate(channel_mult))):
@@ -160,15 +184,15 @@ class UNet(M.Module):
             blocks, attns = [], []
             for _ in range(num_res_blocks + 1):
                 out = model_channels * mult
-                blocks.append(ResBlock(channels + skip_channels.pop(), out, temb_channels, dropout, norm_groups))
+                blocks.append(ResBlock(channels + skip_channels.pop(), out, temb_channels, dropout, norm))
                 channels = out
                 if resolution in attention_resolutions:
-                    attns.append(AttnBlock(channels, norm_groups))
+                    attns.append(AttnBlock(channels, norm))
             up_levels.append(UpLevel(blocks, attns, Upsample(channels) if level != 0 else None))
         assert not skip_channels
         self.up = up_levels[::-1]  # indexed by level, like down; forward walks it in reverse
 
-        self.norm_out = group_norm(channels, norm_groups)
+        self.norm_out = norm(channels)
         self.conv_out = conv2d(channels, out_channels or in_channels, init_scale=0.0)
 
     def forward(self, x, t):
@@ -176,7 +200,7 @@ class UNet(M.Module):
             raise ValueError(
                 f"UNet built for {self.image_size}x{self.image_size} inputs got shape {tuple(x.shape)}"
             )
-        temb = timestep_embedding(t, self.model_channels)
+        temb = timestep_embedding(t, self.model_channels, self.time_embedding)
         temb = self.temb_dense1(silu(self.temb_dense0(temb)))
 
         hs = [self.conv_in(x)]

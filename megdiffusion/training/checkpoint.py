@@ -22,9 +22,11 @@ from megdiffusion.fileio import atomic_write
 
 CHECKPOINT_DIR = "checkpoints"
 REQUIRED_KEYS = ("step", "config", "model", "ema", "optimizer", "loader")
-# Config fields a resumed run must share with its checkpoint (they define the network and the maths).
-RECIPE_FIELDS = ("image_size", "image_channels", "model_channels", "channel_mult", "num_res_blocks",
-                 "attention_resolutions", "norm_groups", "num_timesteps", "beta_schedule", "mean_type", "var_type")
+# Config fields that define the network: weights fit (and compute the same function) only where these agree.
+NETWORK_FIELDS = ("image_size", "image_channels", "model_channels", "channel_mult", "num_res_blocks",
+                  "attention_resolutions", "norm_groups", "norm_eps", "downsample_padding", "time_embedding")
+# Config fields a resumed run must share with its checkpoint (the network and the maths).
+RECIPE_FIELDS = NETWORK_FIELDS + ("num_timesteps", "beta_schedule", "mean_type", "var_type")
 RNG_SCHEME = "numpy default_rng([seed, rank, step])"  # trainer.step_rng
 _NAME = re.compile(r"^ckpt_(\d+)\.pkl$")
 
@@ -118,6 +120,14 @@ def config_of(state):
         raise CheckpointError(f"checkpoint config is unusable: {err}") from None
 
 
+def differences(stored, cfg, names):
+    """``{name: "--name=<stored value>"}`` for each of ``names`` where config ``stored`` differs from ``cfg``."""
+    from megdiffusion.training.config import as_flag
+
+    return {name: as_flag(name, getattr(stored, name)) for name in names
+            if getattr(stored, name) != getattr(cfg, name)}
+
+
 def snapshot(trainer, loader):
     """The checkpoint dict of a run: ``trainer`` (a ``Trainer``) and its ``BatchLoader``."""
     return {"step": trainer.step_count, "config": trainer.cfg.to_dict(), "model": trainer.model.state_dict(),
@@ -130,11 +140,11 @@ def restore(state, path, trainer, loader):
 
     ``CheckpointError`` when it was trained with other ``RECIPE_FIELDS`` than ``trainer.cfg``.
     """
-    current = trainer.cfg.to_dict()
-    changed = [name for name in RECIPE_FIELDS if state["config"].get(name) != current[name]]
+    changed = differences(config_of(state), trainer.cfg, RECIPE_FIELDS)
     if changed:
-        raise CheckpointError(f"{path} was trained with different {', '.join(changed)}; "
-                              "use the run's flags.cfg or another --logdir")
+        raise CheckpointError(f"{path} was trained with different {', '.join(changed)} "
+                              f"({' '.join(changed.values())}); use those flags, the run's flags.cfg or another "
+                              "--logdir")
     trainer.model.load_state_dict(state["model"])
     trainer.ema.load_state_dict(state["ema"])
     trainer.optimizer.load_state_dict(state["optimizer"])

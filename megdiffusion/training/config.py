@@ -4,7 +4,8 @@ Every field except ``image_channels`` is a command-line flag of the same name (s
 A field's metadata holds its help text, its choices and its bounds: ``define_flags`` turns choices into
 ``DEFINE_enum`` flags (so ``--help`` lists them) and ``validate`` checks them all in one loop.
 ``image_channels`` and, when not given, ``image_size`` are read from the dataset. The config travels
-inside every checkpoint (``to_dict``/``from_dict``), so sampling rebuilds the network without retyped flags.
+inside every checkpoint (``to_dict``/``from_dict``), so sampling rebuilds the network without retyped flags;
+a field added later says in ``absent`` what a stored config without it meant.
 """
 import dataclasses
 import json
@@ -17,6 +18,14 @@ from megdiffusion.data.datasets import DATASETS
 from megdiffusion.diffusion.choices import MEAN_TYPES, SAMPLERS, VAR_TYPES
 from megdiffusion.diffusion.schedules import SCHEDULES
 from megdiffusion.errors import MegdiffusionError
+from megdiffusion.nn.options import (
+    DOWNSAMPLE_PADDING,
+    DOWNSAMPLE_PADDINGS,
+    NORM_EPS,
+    NORM_GROUPS,
+    TIME_EMBEDDING,
+    TIME_EMBEDDINGS,
+)
 
 # The CPU recipe (the embedded Fashion-MNIST): what the train script and the demo read without a flagfile.
 CPU_RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
@@ -33,7 +42,8 @@ class ConfigError(MegdiffusionError):
 
 def _flag(default, help_text, **metadata):
     """A config field: ``choices`` (allowed values), bounds ``min``/``max`` (inclusive) and ``above``/``below``
-    (exclusive), ``flag=False`` for a field that is not a command-line flag."""
+    (exclusive), ``flag=False`` for a field that is not a command-line flag, ``absent``: the value a stored
+    config (``from_dict``) that lacks the field stands for, when that is not the default."""
     return field(default=default, metadata={"help": help_text, **metadata})
 
 
@@ -55,7 +65,14 @@ class TrainConfig:
     num_res_blocks: int = _flag(2, "Residual blocks per resolution level.", min=1)
     attention_resolutions: Tuple[int, ...] = _flag((16,), "Resolutions (pixels) with self-attention.")
     dropout: float = _flag(0.1, "Dropout rate in the residual blocks.", min=0, below=1)
-    norm_groups: int = _flag(32, "GroupNorm groups (Ho: 32); small models need fewer, see the CPU recipe.")
+    norm_groups: int = _flag(NORM_GROUPS, "GroupNorm groups (Ho: 32); small models need fewer, see the CPU recipe.")
+    norm_eps: float = _flag(NORM_EPS, "GroupNorm epsilon (Ho: 1e-6; pytorch-ddpm: 1e-5).", above=0)
+    downsample_padding: str = _flag(DOWNSAMPLE_PADDING, "Padding of the stride-2 downsample convolution: one row and "
+                                    "column at the bottom and right (Ho's TF 'SAME') or one on every side "
+                                    "(pytorch-ddpm; checkpoints written before this flag).",
+                                    choices=DOWNSAMPLE_PADDINGS, absent="symmetric")
+    time_embedding: str = _flag(TIME_EMBEDDING, "Timestep sinusoid: Ho's [sin | cos], or pytorch-ddpm's interleaved "
+                                "table.", choices=TIME_EMBEDDINGS)
     # Diffusion
     num_timesteps: int = _flag(1000, "Number of diffusion steps T.")
     beta_schedule: str = _flag("linear", "Beta schedule.", choices=SCHEDULES)
@@ -111,12 +128,14 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values):
-        """Inverse of ``to_dict``; unknown keys are an error (a checkpoint from another version)."""
+        """Inverse of ``to_dict``; unknown keys are an error (a checkpoint from another version), a missing
+        field takes its ``absent`` value, else its default."""
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - names)
         if unknown:
             raise ConfigError(f"unknown config keys {unknown}")
-        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+        kwargs = {f.name: f.metadata["absent"] for f in fields(cls) if "absent" in f.metadata}
+        kwargs.update((k, tuple(v) if isinstance(v, list) else v) for k, v in values.items())
         return cls(**kwargs)
 
     def replace(self, **changes):
@@ -187,7 +206,7 @@ def validate(cfg):
         raise ConfigError(f"--batch_size: {err}; the global batch is split evenly across ranks") from None
     try:
         check_unet_config(cfg.model_channels, cfg.channel_mult, cfg.attention_resolutions, cfg.image_size,
-                          cfg.norm_groups)
+                          cfg.norm_groups, cfg.norm_eps, cfg.downsample_padding, cfg.time_embedding)
     except ValueError as err:
         raise ConfigError(f"bad model flags: {err}") from None
     try:
@@ -208,7 +227,8 @@ def build_model(cfg):
     return UNet(in_channels=cfg.image_channels, model_channels=cfg.model_channels,
                 channel_mult=tuple(cfg.channel_mult), num_res_blocks=cfg.num_res_blocks,
                 attention_resolutions=tuple(cfg.attention_resolutions), dropout=cfg.dropout,
-                image_size=cfg.image_size, norm_groups=cfg.norm_groups)
+                image_size=cfg.image_size, norm_groups=cfg.norm_groups, norm_eps=cfg.norm_eps,
+                downsample_padding=cfg.downsample_padding, time_embedding=cfg.time_embedding)
 
 
 def build_diffusion(cfg):
