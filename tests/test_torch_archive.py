@@ -1,4 +1,5 @@
-"""Reading torch archives without torch (every tensor, nothing but tensors), and the cache of converted arrays."""
+"""Reading torch files (zip and legacy) and pickles of numpy arrays without torch (every tensor, nothing but
+tensors), and the cache of converted arrays."""
 import collections
 import io
 import os
@@ -48,9 +49,10 @@ def _fake_torch_modules(monkeypatch):
     return torch_mod, utils_mod, Net
 
 
-def _write_archive(path, state, monkeypatch):
+def _write_archive(path, state, monkeypatch, legacy=False):
     """Write ``state`` (a Net record of attributes; arrays become tensors) as ``root/data.pkl`` +
-    ``root/data/<key>`` storages, the layout of torch.save / TorchScript archives.
+    ``root/data/<key>`` storages, the layout of torch.save / TorchScript archives; ``legacy``: as the pickles
+    and raw storages of torch's format before 1.6, with a plain dict at the top.
 
     Tensors are stored as views into shared storages with offsets and non-trivial strides.
     """
@@ -76,8 +78,8 @@ def _write_archive(path, state, monkeypatch):
         if isinstance(value, np.ndarray):
             return Tensor(value)
         if isinstance(value, dict):
-            obj = net_cls()
-            obj.__dict__.update({k: to_pickleable(v) for k, v in value.items()})
+            obj = {} if legacy else net_cls()
+            (obj if legacy else obj.__dict__).update({k: to_pickleable(v) for k, v in value.items()})
             return obj
         return value
 
@@ -85,18 +87,29 @@ def _write_archive(path, state, monkeypatch):
         def persistent_id(self, obj):
             if isinstance(obj, tuple) and len(obj) == 3 and obj[0] == "storage":
                 flat, storage_type = storages[obj[1]]
-                return ("storage", storage_type, obj[1], "cpu", obj[2])
+                return ("storage", storage_type, obj[1], "cpu", obj[2]) + ((None,) if legacy else ())
             return None
 
     buffer = io.BytesIO()
+    if legacy:
+        for header in (torch_archive.LEGACY_MAGIC, torch_archive.LEGACY_PROTOCOL,
+                       {"protocol_version": 1001, "little_endian": True}):
+            pickle.dump(header, buffer, protocol=2)
     Writer(buffer, protocol=2).dump(to_pickleable(state))
+    if legacy:
+        pickle.dump(sorted(storages), buffer, protocol=2)
+        for key in sorted(storages):
+            buffer.write(len(storages[key][0]).to_bytes(8, "little") + storages[key][0].tobytes())
+        path.write_bytes(buffer.getvalue())
+        return
     with zipfile.ZipFile(path, "w") as archive:
         archive.writestr("archive/data.pkl", buffer.getvalue())
         for key, (flat, _) in storages.items():
             archive.writestr(f"archive/data/{key}", flat.tobytes())
 
 
-def test_reader_round_trips_every_tensor(tmp_path, monkeypatch):
+@pytest.mark.parametrize("legacy", [False, True])
+def test_reader_round_trips_every_tensor(tmp_path, monkeypatch, legacy):
     rng = np.random.default_rng(0)
     state = {
         "weight": rng.normal(size=(4, 3, 2, 2)).astype(np.float32),
@@ -106,7 +119,7 @@ def test_reader_round_trips_every_tensor(tmp_path, monkeypatch):
                 "deeper": {"var": rng.uniform(size=(3, 1)).astype(np.float32)}},
     }
     path = tmp_path / "tiny.pt"
-    _write_archive(path, state, monkeypatch)
+    _write_archive(path, state, monkeypatch, legacy)
     tensors = torch_archive.read_torch_archive(str(path))
     expected = {"weight": state["weight"], "sub.mean": state["sub"]["mean"],
                 "sub.count": state["sub"]["count"],
@@ -135,20 +148,60 @@ def test_reader_refuses_other_classes(tmp_path):
     assert not marker.exists()
 
 
+def test_a_legacy_file_keeps_its_structure(tmp_path, monkeypatch):
+    weights = np.arange(6, dtype=np.float32).reshape(2, 3)
+    path = tmp_path / "ckpt.pt"
+    _write_archive(path, {"ema_model": {"w": weights}, "step": 7, "name": "run"}, monkeypatch, legacy=True)
+    loaded = torch_archive.load_torch_file(str(path))
+    assert loaded["step"] == 7 and loaded["name"] == "run" and list(loaded) == ["ema_model", "step", "name"]
+    np.testing.assert_array_equal(loaded["ema_model"]["w"], weights)
+
+
 def test_reader_rejects_non_archives(tmp_path):
     path = tmp_path / "plain.pt"
     path.write_bytes(b"not a zip")
-    with pytest.raises(torch_archive.WeightsError, match="cannot read"):
+    with pytest.raises(torch_archive.WeightsError, match="not a torch file"):
         torch_archive.read_torch_archive(str(path))
+    path.write_bytes(pickle.dumps(12345) * 3)  # pickles, but not torch's magic number
+    with pytest.raises(torch_archive.WeightsError, match="not a torch file"):
+        torch_archive.load_torch_file(str(path))
 
 
 def test_reader_refuses_tensors_outside_their_storage():
     storage = np.arange(4, dtype=np.float32)
-    np.testing.assert_array_equal(torch_archive._rebuild_tensor(storage, 1, (3,), (1,)), [1, 2, 3])
+    np.testing.assert_array_equal(torch_archive._tensor_view(storage, 1, (3,), (1,)), [1, 2, 3])
     with pytest.raises(pickle.UnpicklingError, match="past its storage"):
-        torch_archive._rebuild_tensor(storage, 2, (3,), (1,))
+        torch_archive._tensor_view(storage, 2, (3,), (1,))
     with pytest.raises(pickle.UnpicklingError, match="bad tensor layout"):
-        torch_archive._rebuild_tensor(storage, 0, (2,), (-1,))
+        torch_archive._tensor_view(storage, 0, (2,), (-1,))
+
+
+@pytest.mark.parametrize("protocol", [4, 5])  # megengine.save: pickle.DEFAULT_PROTOCOL (4)
+def test_array_pickles_round_trip(tmp_path, protocol):
+    rng = np.random.default_rng(0)
+    state = collections.OrderedDict(w=rng.normal(size=(3, 2)).astype(np.float32), b=np.arange(4), s=np.float32(2.5),
+                                    nested={"f16": np.ones(2, np.float16), "order": [1, "two"]})
+    path = tmp_path / "state.pkl"
+    path.write_bytes(pickle.dumps(state, protocol=protocol))
+    loaded = torch_archive.load_array_pickle(str(path))
+    assert type(loaded) is collections.OrderedDict and list(loaded) == list(state)
+    for name in ("w", "b"):
+        assert loaded[name].dtype == state[name].dtype
+        np.testing.assert_array_equal(loaded[name], state[name])
+    assert loaded["s"] == np.float32(2.5) and loaded["nested"]["order"] == [1, "two"]
+    np.testing.assert_array_equal(loaded["nested"]["f16"], state["nested"]["f16"])
+
+
+def test_array_pickles_refuse_other_classes(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pkl"
+    path.write_bytes(pickle.dumps({"w": np.zeros(2), "x": _Evil(marker)}))
+    with pytest.raises(torch_archive.RefusedClass, match="refusing to load posix.system"):
+        torch_archive.load_array_pickle(str(path))
+    assert not marker.exists()
+    path.write_bytes(b"\x80\x04garbage")
+    with pytest.raises(torch_archive.WeightsError, match="is not a pickle of arrays"):
+        torch_archive.load_array_pickle(str(path))
 
 
 def test_cached_arrays_convert_once_and_rebuild_a_damaged_cache(tmp_path, monkeypatch):
