@@ -31,6 +31,7 @@ setup(
             "megdiffusion-sample=megdiffusion.scripts.sample:run",
             "megdiffusion-fid=megdiffusion.scripts.fid:run",
             "megdiffusion-demo=megdiffusion.scripts.demo:run",
+            "megdiffusion-convert=megdiffusion.scripts.convert:run",
         ]
     },
 )

@@ -186,6 +186,17 @@ def _load_legacy(f, path):
     return obj
 
 
+def is_torch_file(path):
+    """Whether ``path`` is a ``torch.save`` file: a zip archive or a legacy file (first pickle: the magic number)."""
+    if zipfile.is_zipfile(path):
+        return True
+    with open(path, "rb") as f:
+        try:
+            return _NoClassUnpickler(f).load() == LEGACY_MAGIC
+        except Exception:  # noqa: BLE001 -- any other file
+            return False
+
+
 def load_torch_file(path):
     """The object a ``torch.save`` file holds (zip archive or legacy format), every tensor a numpy array.
 

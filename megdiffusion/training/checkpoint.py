@@ -8,6 +8,11 @@ back into a run by ``restore``:
 - ``loader``: the data position (``BatchLoader.state_dict()``);
 - ``rng``: how step randomness is derived (a record only: it is a function of seed, rank and step).
 
+A network trained elsewhere (``weights_snapshot``, written by ``scripts.convert``) has the same layout with the
+weights as both ``model`` and ``ema``, step 0, ``optimizer`` and ``loader`` None, and ``source`` (a dict of
+strings) saying where they came from: it samples and scores like any checkpoint, and starts runs
+(``--init_from``), but does not resume one.
+
 Files live at ``<logdir>/checkpoints/ckpt_<step:07d>.pkl`` and are written atomically. Loading unpickles,
 which can run code stored in the file (as ``torch.load`` and ``megengine.load`` do): only load checkpoints
 you trust.
@@ -135,11 +140,36 @@ def snapshot(trainer, loader):
             "loader": loader.state_dict(), "rng": {"seed": trainer.cfg.seed, "scheme": RNG_SCHEME}}
 
 
+def weights_snapshot(cfg, weights, source):
+    """The checkpoint dict of a network not trained here: ``weights`` (name -> array) under config ``cfg``."""
+    return {"step": 0, "config": cfg.to_dict(), "model": weights, "ema": weights, "optimizer": None, "loader": None,
+            "source": source}
+
+
+def load_init(cfg):
+    """The checkpoint ``cfg.init_from`` names (a file or a logdir's newest), checked to hold ``cfg``'s network."""
+    state = load_file_or_newest(cfg.init_from)
+    changed = differences(config_of(state), cfg, NETWORK_FIELDS)
+    if changed:
+        raise CheckpointError(f"--init_from {cfg.init_from} holds a network with different {', '.join(changed)} "
+                              f"({' '.join(changed.values())}); set those flags")
+    return state
+
+
+def initialise(state, trainer):
+    """Start ``trainer`` from the model and EMA weights of checkpoint dict ``state`` (its optimizer stays new)."""
+    trainer.model.load_state_dict(state["model"])
+    trainer.ema.load_state_dict(state["ema"])
+
+
 def restore(state, path, trainer, loader):
     """Load checkpoint dict ``state`` (read from ``path``) into ``trainer`` and ``loader``.
 
     ``CheckpointError`` when it was trained with other ``RECIPE_FIELDS`` than ``trainer.cfg``.
     """
+    if state["optimizer"] is None:
+        raise CheckpointError(f"{path} holds weights only (no optimizer or data position); start a run from it "
+                              "with --init_from")
     changed = differences(config_of(state), trainer.cfg, RECIPE_FIELDS)
     if changed:
         raise CheckpointError(f"{path} was trained with different {', '.join(changed)} "

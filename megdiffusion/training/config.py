@@ -98,6 +98,9 @@ class TrainConfig:
     sample_sampler: str = _flag("ddim", "Sampler for the grids (and for --fid_every).", choices=SAMPLERS)
     sample_steps: int = _flag(50, "Sampling steps for the grids (and for --fid_every), at most T.")
     resume: bool = _flag(False, "Continue from the newest loadable checkpoint in logdir.")
+    init_from: Optional[str] = _flag(None, "Start from the model and EMA weights of this checkpoint (a file, e.g. "
+                                     "from scripts.convert, or a logdir's newest) with a new optimizer at step 0; "
+                                     "its network flags must match. A logdir with checkpoints resumes instead.")
     time_limit_minutes: float = _flag(0.0, "Stop with a checkpoint after this many minutes of training in "
                                       "this process (0: no limit); --resume continues later.", min=0)
     fid_every: int = _flag(0, "Score the EMA model with FID every this many steps (0: never); samples with "

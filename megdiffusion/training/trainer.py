@@ -106,10 +106,14 @@ class Trainer:
 
 
 def check_logdir(cfg):
-    """Refuse to start a fresh run on top of another run's checkpoints (``CheckpointError``)."""
-    if not cfg.resume and ckpt.list_checkpoints(cfg.logdir):
+    """Refuse to start a fresh run on top of another run's checkpoints, or from ``--init_from`` weights that do not
+    fit the network (``CheckpointError``)."""
+    existing = ckpt.list_checkpoints(cfg.logdir)
+    if not cfg.resume and existing:
         raise ckpt.CheckpointError(f"{cfg.logdir} already holds checkpoints; pass --resume to continue that "
                                    "run or choose another --logdir")
+    if cfg.init_from and not existing:
+        ckpt.load_init(cfg)
 
 
 class TrainingRun:
@@ -138,6 +142,13 @@ class TrainingRun:
         self.saved_step = self.trainer.step_count
         return path
 
+    def initialise(self):
+        """Start from the weights of ``cfg.init_from`` (model and EMA; new optimizer, step 0). Returns the step
+        the weights were trained to."""
+        state = ckpt.load_init(self.cfg)
+        ckpt.initialise(state, self.trainer)
+        return state["step"]
+
     def save(self):
         """Checkpoint the current state (rank 0) and drop the oldest beyond ``keep_checkpoints``."""
         step = self.trainer.step_count
@@ -155,11 +166,14 @@ class TrainingRun:
         cfg = self.cfg
         self.deadline = time.monotonic() + 60 * cfg.time_limit_minutes if cfg.time_limit_minutes > 0 else None
         resumed_from = self.resume() if cfg.resume else None
+        init_step = self.initialise() if resumed_from is None and cfg.init_from else None
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         if self.writes:
             self.logger = RunLogger(cfg.logdir, cfg.total_steps, self.trainer.step_count, self.progress)
             if resumed_from:
                 self.logger.message(f"resumed from {resumed_from} at step {self.trainer.step_count}")
+            elif init_step is not None:
+                self.logger.message(f"started from the weights of {cfg.init_from} (step {init_step} of its run)")
         try:
             self._loop()
         finally:

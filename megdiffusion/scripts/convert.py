@@ -1,0 +1,63 @@
+"""Convert a published DDPM checkpoint: ``python -m megdiffusion.scripts.convert SRC OUT [--format auto|...] [--ema]``.
+
+SRC: a diffusers ``UNet2DModel`` directory, pesser/pytorch_diffusion's (and ddim's) ``model-*.ckpt``,
+pytorch-ddpm's ``ckpt.pt`` or a MegEngine/MegDiffusion ``.pkl``; the format is read from the content
+(``megdiffusion.formats``). OUT: a megdiffusion checkpoint with its config inside, for ``scripts.sample --ckpt``,
+``scripts.fid --ckpt`` and ``scripts.train --init_from``. Every tensor maps onto one parameter and every
+parameter is filled, or nothing is written. Bad input: one ``error:`` line, exit code 2.
+"""
+import os
+
+from absl import app, flags
+
+from megdiffusion.cli import UsageError, megengine_failures, one_line_errors, parse_flags
+from megdiffusion.compat import quiet_megengine
+from megdiffusion.diffusion.choices import VAR_TYPES
+from megdiffusion.formats import CHANNEL_ORDERS, FORMATS
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("format", "auto", ("auto",) + FORMATS, "The checkpoint's format; auto: read from the content.")
+flags.DEFINE_bool("ema", False, "Convert the EMA weights of a file that holds raw and EMA weights (pytorch-ddpm's "
+                  "ckpt.pt, the MegEngine port's ckpt.pkl); default: the raw ones.")
+flags.DEFINE_integer("image_size", None, "Image size, for networks whose file does not record it and that are not "
+                     "a published model.")
+flags.DEFINE_integer("norm_groups", None, "GroupNorm groups, for files that do not record it (default 32, what "
+                     "pesser's, ddim's and pytorch-ddpm's code use).")
+flags.DEFINE_enum("var_type", None, VAR_TYPES, "Sampling variance, for networks whose files do not record it and "
+                  "that are not a published model.")
+flags.DEFINE_enum("channel_order", None, CHANNEL_ORDERS, "The channel order the network takes (converted to RGB); "
+                  "needed for MegEngine-port files other than its hub's.")
+
+
+def main(argv):
+    quiet_megengine()
+    from megdiffusion import formats
+    from megdiffusion.training import checkpoint
+
+    with one_line_errors(), megengine_failures("nothing was written; rerun the same command"):
+        if len(argv) != 3:
+            raise UsageError(f"expected two arguments, SRC OUT; got {len(argv) - 1}")
+        src, out = argv[1:]
+        if os.path.exists(out):
+            raise UsageError(f"{out} exists; give a new path (convert overwrites nothing)")
+        cfg, weights, record = formats.convert(src, FLAGS.format, FLAGS.ema, FLAGS.image_size, FLAGS.norm_groups,
+                                               FLAGS.var_type, FLAGS.channel_order)
+        try:
+            checkpoint.save_checkpoint(out, checkpoint.weights_snapshot(cfg, weights, record))
+        except OSError as err:
+            raise UsageError(f"cannot write {out}: {err.strerror or err}") from None
+    count = sum(array.size for array in weights.values())
+    print(f"wrote {out}: {record['format']} {record['weights']} of {src} ({record['channel_order'].upper()}), "
+          f"{count:,} parameters, {cfg.image_size}x{cfg.image_size}x{cfg.image_channels}; "
+          f"{cfg.beta_schedule} betas, T={cfg.num_timesteps}, {cfg.mean_type}, {cfg.var_type}; downsample padding "
+          f"{cfg.downsample_padding}, time embedding {cfg.time_embedding}, GroupNorm {cfg.norm_groups} groups "
+          f"eps {cfg.norm_eps:g}")
+
+
+def run():
+    """Console entry point (``megdiffusion-convert``)."""
+    app.run(main, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+    run()
