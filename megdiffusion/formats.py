@@ -69,88 +69,55 @@ PORT_CHANNEL_ORDERS = {
 
 # --- names -------------------------------------------------------------------------------------------------
 
-def _parse(name):
-    """``(place, sub-layer, parameter)`` of one of megdiffusion's UNet parameter names.
+# megdiffusion's modules outside the levels; each layout names them in this order.
+_FIXED = ("temb_dense0", "temb_dense1", "conv_in", "mid_block1", "mid_attn", "mid_block2", "norm_out", "conv_out")
 
-    Places: ("temb", i), ("conv_in",), ("norm_out",), ("conv_out",), ("mid_block", 1 or 2), ("mid_attn",),
-    ("block" or "attn", "down" or "up", level, index), ("resample", "down" or "up", level).
-    """
+
+def _parse(name):
+    """``(place, sub-layer, parameter)`` of one of megdiffusion's UNet parameter names. A place is a module of
+    ``_FIXED``, or ("block" | "attn" | "resample", "down" | "up", level, index within the level)."""
     *module, param = name.split(".")
-    head = module[0]
-    if head in ("temb_dense0", "temb_dense1"):
-        return ("temb", int(head[-1])), None, param
-    if head in ("conv_in", "norm_out", "conv_out"):
-        return (head,), None, param
-    if head in ("mid_block1", "mid_block2"):
-        return ("mid_block", int(head[-1])), module[1], param
-    if head == "mid_attn":
-        return ("mid_attn",), module[1], param
-    path, level, part = head, int(module[1]), module[2]
+    if module[0] in _FIXED:
+        return module[0], (module[1] if len(module) > 1 else None), param
+    path, level, part = module[0], int(module[1]), module[2]
     if part in ("downsample", "upsample"):
-        return ("resample", path, level), None, param
+        return ("resample", path, level, None), None, param
     return ("block" if part == "blocks" else "attn", path, level, int(module[3])), module[4], param
 
 
-def _pesser_prefix(place, levels, blocks):
-    kind = place[0]
-    if kind == "temb":
-        return f"temb.dense.{place[1]}"
-    if kind == "mid_block":
-        return f"mid.block_{place[1]}"
-    if kind == "mid_attn":
-        return "mid.attn_1"
+def _pesser_stage(kind, path, level, index, levels, blocks):
     if kind == "resample":
-        return f"{place[1]}.{place[2]}.{place[1]}sample.conv"
-    if kind in ("block", "attn"):
-        return f"{place[1]}.{place[2]}.{kind}.{place[3]}"
-    return kind
+        return f"{path}.{level}.{path}sample.conv"
+    return f"{path}.{level}.{kind}.{index}"
 
 
-def _diffusers_prefix(place, levels, blocks):
-    kind = place[0]
-    if kind == "temb":
-        return f"time_embedding.linear_{place[1] + 1}"
-    if kind == "mid_block":
-        return f"mid_block.resnets.{place[1] - 1}"
-    if kind == "mid_attn":
-        return "mid_block.attentions.0"
-    if kind in ("conv_in", "conv_out"):
-        return kind
-    if kind == "norm_out":
-        return "conv_norm_out"
-    path, level = place[1], place[2]
+def _diffusers_stage(kind, path, level, index, levels, blocks):
     stage = f"down_blocks.{level}" if path == "down" else f"up_blocks.{levels - 1 - level}"  # up: lowest first
     if kind == "resample":
         return f"{stage}.{path}samplers.0.conv"
-    return f"{stage}.{'resnets' if kind == 'block' else 'attentions'}.{place[3]}"
+    return f"{stage}.{'resnets' if kind == 'block' else 'attentions'}.{index}"
 
 
-def _flat_prefix(place, levels, blocks):
+def _flat_stage(kind, path, level, index, levels, blocks):
     """pytorch-ddpm's (and the MegEngine port's) flat lists: down, each level's blocks then a DownSample;
     up, lowest resolution first, each level's blocks + 1 then an UpSample. Attention sits inside its block."""
-    kind = place[0]
-    if kind == "temb":
-        return f"time_embedding.timembedding.{1 + 2 * place[1]}"
-    if kind in ("mid_block", "mid_attn"):
-        return "middleblocks.0.attn" if kind == "mid_attn" else f"middleblocks.{place[1] - 1}"
-    if kind in ("conv_in", "norm_out", "conv_out"):
-        return {"conv_in": "head", "norm_out": "tail.0", "conv_out": "tail.2"}[kind]
-    path, level = place[1], place[2]
     if path == "down":
         start, size = level * (blocks + 1), blocks
     else:
         start, size = (levels - 1 - level) * (blocks + 2), blocks + 1
     if kind == "resample":
         return f"{path}blocks.{start + size}.main"
-    return f"{path}blocks.{start + place[3]}" + (".attn" if kind == "attn" else "")
+    return f"{path}blocks.{start + index}" + (".attn" if kind == "attn" else "")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """How one format names the UNet's parameters: module paths, and the sub-layers of a residual block
-    (ours: norm1, conv1, temb_proj, norm2, conv2, skip) and of an attention block (ours: norm, q, k, v, proj_out)."""
+    """How one format names the UNet's parameters: the modules of ``_FIXED``, the modules of a level (``stage``),
+    and the sub-layers of a residual block (ours: norm1, conv1, temb_proj, norm2, conv2, skip) and of an
+    attention block (ours: norm, q, k, v, proj_out)."""
 
-    prefix: Callable
+    fixed: dict
+    stage: Callable
     block: dict
     attn: dict
     table: Optional[str] = None  # the stored time-embedding table: checked, not mapped
@@ -158,21 +125,28 @@ class Layout:
 
 _OURS_BLOCK = ("norm1", "conv1", "temb_proj", "norm2", "conv2", "skip")
 _OURS_ATTN = ("norm", "q", "k", "v", "proj_out")
+_DIFFUSERS_FIXED = dict(zip(_FIXED, ("time_embedding.linear_1", "time_embedding.linear_2", "conv_in",
+                                     "mid_block.resnets.0", "mid_block.attentions.0", "mid_block.resnets.1",
+                                     "conv_norm_out", "conv_out")))
+_DIFFUSERS_BLOCK = dict(zip(_OURS_BLOCK, ("norm1", "conv1", "time_emb_proj", "norm2", "conv2", "conv_shortcut")))
+_FLAT_FIXED = dict(zip(_FIXED, ("time_embedding.timembedding.1", "time_embedding.timembedding.3", "head",
+                                "middleblocks.0", "middleblocks.0.attn", "middleblocks.1", "tail.0", "tail.2")))
 _FLAT_BLOCK = ("block1.0", "block1.2", "temb_proj.1", "block2.0", "block2.3")
 _FLAT_ATTN = dict(zip(_OURS_ATTN, ("group_norm", "proj_q", "proj_k", "proj_v", "proj")))
 _TABLE = "time_embedding.timembedding.0.weight"
 LAYOUTS = {
-    "pesser": Layout(_pesser_prefix, dict(zip(_OURS_BLOCK, _OURS_BLOCK[:5] + ("nin_shortcut",))),
+    "pesser": Layout(dict(zip(_FIXED, ("temb.dense.0", "temb.dense.1", "conv_in", "mid.block_1", "mid.attn_1",
+                                       "mid.block_2", "norm_out", "conv_out"))),
+                     _pesser_stage, dict(zip(_OURS_BLOCK, _OURS_BLOCK[:5] + ("nin_shortcut",))),
                      dict(zip(_OURS_ATTN, _OURS_ATTN))),
-    "diffusers": Layout(_diffusers_prefix,
-                        dict(zip(_OURS_BLOCK, ("norm1", "conv1", "time_emb_proj", "norm2", "conv2", "conv_shortcut"))),
+    "diffusers": Layout(_DIFFUSERS_FIXED, _diffusers_stage, _DIFFUSERS_BLOCK,
                         dict(zip(_OURS_ATTN, ("group_norm", "to_q", "to_k", "to_v", "to_out.0")))),
-    "diffusers_legacy_attn": Layout(_diffusers_prefix,
-                                    dict(zip(_OURS_BLOCK, ("norm1", "conv1", "time_emb_proj", "norm2", "conv2",
-                                                           "conv_shortcut"))),
+    "diffusers_legacy_attn": Layout(_DIFFUSERS_FIXED, _diffusers_stage, _DIFFUSERS_BLOCK,
                                     dict(zip(_OURS_ATTN, ("group_norm", "query", "key", "value", "proj_attn")))),
-    "pytorch_ddpm": Layout(_flat_prefix, dict(zip(_OURS_BLOCK, _FLAT_BLOCK + ("shortcut",))), _FLAT_ATTN, _TABLE),
-    "megengine_port": Layout(_flat_prefix, dict(zip(_OURS_BLOCK, _FLAT_BLOCK + ("short_cut",))), _FLAT_ATTN, _TABLE),
+    "pytorch_ddpm": Layout(_FLAT_FIXED, _flat_stage, dict(zip(_OURS_BLOCK, _FLAT_BLOCK + ("shortcut",))), _FLAT_ATTN,
+                           _TABLE),
+    "megengine_port": Layout(_FLAT_FIXED, _flat_stage, dict(zip(_OURS_BLOCK, _FLAT_BLOCK + ("short_cut",))),
+                             _FLAT_ATTN, _TABLE),
 }
 
 
@@ -181,9 +155,12 @@ def source_name(layout, name, levels, blocks):
     with ``blocks`` residual blocks per level on the way down."""
     place, sub, param = _parse(name)
     names = LAYOUTS[layout]
-    parts = [names.prefix(place, levels, blocks)]
+    if isinstance(place, str):
+        parts, is_attn = [names.fixed[place]], place == "mid_attn"
+    else:
+        parts, is_attn = [names.stage(*place, levels, blocks)], place[0] == "attn"
     if sub is not None:
-        parts.append((names.block if place[0] in ("block", "mid_block") else names.attn)[sub])
+        parts.append((names.attn if is_attn else names.block)[sub])
     return ".".join(parts + [param])
 
 

@@ -21,14 +21,8 @@ from megdiffusion.nn.layers import (
     silu,
     timestep_embedding,
 )
-from megdiffusion.nn.options import (
-    DOWNSAMPLE_PADDING,
-    DOWNSAMPLE_PADDINGS,
-    NORM_EPS,
-    NORM_GROUPS,
-    TIME_EMBEDDING,
-    TIME_EMBEDDINGS,
-)
+from megdiffusion.nn.options import DOWNSAMPLE_PADDING, DOWNSAMPLE_PADDINGS, NORM_EPS, NORM_GROUPS, TIME_EMBEDDING, \
+    TIME_EMBEDDINGS
 
 
 class DownLevel(M.Module):

@@ -18,14 +18,8 @@ from megdiffusion.data.datasets import DATASETS
 from megdiffusion.diffusion.choices import MEAN_TYPES, SAMPLERS, VAR_TYPES
 from megdiffusion.diffusion.schedules import SCHEDULES
 from megdiffusion.errors import MegdiffusionError
-from megdiffusion.nn.options import (
-    DOWNSAMPLE_PADDING,
-    DOWNSAMPLE_PADDINGS,
-    NORM_EPS,
-    NORM_GROUPS,
-    TIME_EMBEDDING,
-    TIME_EMBEDDINGS,
-)
+from megdiffusion.nn.options import DOWNSAMPLE_PADDING, DOWNSAMPLE_PADDINGS, NORM_EPS, NORM_GROUPS, TIME_EMBEDDING, \
+    TIME_EMBEDDINGS
 
 # The CPU recipe (the embedded Fashion-MNIST): what the train script and the demo read without a flagfile.
 CPU_RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
