@@ -12,7 +12,7 @@ The formats (``FORMATS``), each Ho et al.'s network under its own names (``LAYOU
 - ``megengine_port``: a pickle of MegEngine/MegDiffusion's UNet state dict (its hub ``.pkl`` files) or its
   training ``ckpt.pkl`` (``model``, ``ema_model``). The stored time table tells which model code made it.
 
-Imports no MegEngine until ``convert`` builds the network.
+Reading files and naming keys import no MegEngine; ``describe`` and ``convert`` build the diffusion and network.
 """
 import json
 import os
@@ -247,8 +247,8 @@ _DIFFUSERS_PADDING = {0: "bottom_right", 1: "symmetric"}  # downsample_padding 0
 
 
 def check_diffusers_config(config):
-    """The network a ``UNet2DModel`` config describes, as ``TrainConfig`` fields (and attention_levels);
-    ``ConvertError`` naming the key when it is not a network megdiffusion computes."""
+    """The network a ``UNet2DModel`` config describes, as ``TrainConfig`` fields (and attention_levels; None where
+    it says nothing: dropout, T); ``ConvertError`` naming the key when it is not a network megdiffusion computes."""
     values = {**DIFFUSERS_DEFAULTS, **{k: v for k, v in config.items() if not k.startswith("_")}}
     unknown = sorted(set(values) - set(DIFFUSERS_DEFAULTS))
     if unknown:
@@ -290,7 +290,7 @@ def check_diffusers_config(config):
     return dict(model_channels=channels[0], channel_mult=tuple(c // channels[0] for c in channels),
                 num_res_blocks=values["layers_per_block"], attention_levels=attn, image_channels=values["in_channels"],
                 image_size=size, norm_groups=values["norm_num_groups"], norm_eps=float(values["norm_eps"]),
-                downsample_padding=_DIFFUSERS_PADDING[values["downsample_padding"]], dropout=values["dropout"],
+                downsample_padding=_DIFFUSERS_PADDING[values["downsample_padding"]], dropout=config.get("dropout"),
                 num_timesteps=values["num_train_timesteps"])
 
 
