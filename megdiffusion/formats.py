@@ -381,7 +381,7 @@ def _state_dict(obj, ema, path):
     return state, key
 
 
-def _diffusers_source(model_dir, tensors, path):
+def _diffusers_source(model_dir, layout, tensors, path):
     config = _read_json(os.path.join(model_dir, "config.json"))
     if config.get("_class_name", "UNet2DModel") != "UNet2DModel":
         raise ConvertError(f"{model_dir}/config.json describes a {config['_class_name']}, not a UNet2DModel")
@@ -391,9 +391,6 @@ def _diffusers_source(model_dir, tensors, path):
         if os.path.isfile(scheduler):
             stated.update(check_scheduler_config(_read_json(scheduler)))
             break
-    layout = detect_layout(tensors)
-    if format_of(layout) != "diffusers":
-        raise ConvertError(f"{path}: the weights beside config.json are in {layout}'s layout, not diffusers'")
     return Source(path, "diffusers", layout, tensors, {k: v for k, v in stated.items() if v is not None},
                   "state dict")
 
@@ -430,7 +427,7 @@ def read_source(path, ema=False):
     state, weights = _state_dict(obj, ema, given)
     layout = detect_layout(state, torch_file)
     if format_of(layout) == "diffusers":
-        return _diffusers_source(os.path.dirname(path) or ".", state, given)
+        return _diffusers_source(os.path.dirname(path) or ".", layout, state, given)
     return Source(given, layout, layout, state, {}, weights)
 
 
