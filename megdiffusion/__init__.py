@@ -1,11 +1,12 @@
 """megdiffusion: DDPM training, fast sampling and FID on MegEngine."""
 
-from megdiffusion.compat import empty_dtr_candidates, limit_worker_spin
+from megdiffusion.compat import empty_dtr_candidates, keep_fastrun_cache_in_memory, limit_worker_spin
 
 __version__ = "0.1.0"
 
 limit_worker_spin()  # before any module of the package imports MegEngine
 empty_dtr_candidates()
+keep_fastrun_cache_in_memory()
 
 __all__ = ["UNet", "GaussianDiffusion", "make_beta_schedule"]
 

@@ -1,6 +1,7 @@
-"""What the command-line scripts share: one-line errors with exit code 2 for bad input (flags too), and
-exit code 1 for a failure of MegEngine itself."""
+"""What the command-line scripts share: one-line errors with exit code 2 for bad input (flags, paths and
+files too), exit code 1 for a failure of MegEngine itself, and 130 for Ctrl-C."""
 import contextlib
+import math
 import sys
 
 from absl import flags
@@ -20,11 +21,16 @@ def fail(message, code=2):
 
 @contextlib.contextmanager
 def one_line_errors():
-    """Report a ``MegdiffusionError`` raised in the block as one ``error:`` line and exit with its code."""
+    """Report a ``MegdiffusionError`` raised in the block as one ``error:`` line and exit with its code; an
+    ``OSError`` (a path that cannot be read or written) likewise with code 2, and Ctrl-C with 130."""
     try:
         yield
     except MegdiffusionError as err:
         fail(err, err.exit_code)
+    except OSError as err:
+        fail(f"{err.filename}: {err.strerror}" if err.filename and err.strerror else err)
+    except KeyboardInterrupt:
+        fail("interrupted; every file written so far is complete", 130)
 
 
 @contextlib.contextmanager
@@ -43,12 +49,24 @@ def megengine_failures(how_to_continue):
         fail(f"MegEngine failed: {megengine_error_cause(exc)}; {how_to_continue}", code=1)
 
 
+def parse_into(flag_values, argv):
+    """Parse ``argv`` into ``flag_values``; ``UsageError`` for a bad flag, a missing flagfile or a number
+    that is not finite (every float flag of every script). Returns the positional arguments."""
+    try:
+        rest = flag_values(argv)
+    except flags.Error as err:
+        raise UsageError(str(err).removeprefix("ERROR:: ")) from None
+    for name in flag_values:
+        value = flag_values[name].value
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"--{name} must be a finite number, got {value}")
+    return rest
+
+
 def parse_flags(argv):
     """absl's flag parsing for ``app.run(..., flags_parser=parse_flags)``: a bad flag is one line, exit 2."""
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as err:
-        fail(err)
+    with one_line_errors():
+        return parse_into(flags.FLAGS, argv)
 
 
 def reject_arguments(argv):

@@ -2,6 +2,7 @@
 
 - ``quiet_megengine()``: import MegEngine without its CPU-mode banner and ``debug:`` lines.
 - ``limit_worker_spin()``: stop MegEngine's idle worker threads from busy-waiting on CPU-only machines.
+- ``keep_fastrun_cache_in_memory()``: no cache file written by importing MegEngine.
 - ``empty_dtr_candidates()`` (with ``quiet_megengine``): keep MegEngine's DTR candidate list empty, the
   shared state of a race between ``Tensor.numpy()`` and MegEngine's worker thread.
 - ``cuda_available()``: the CUDA probe, minus the ``debug:`` lines it prints on CPU machines;
@@ -87,6 +88,17 @@ def limit_worker_spin():
         return
     if not cuda_driver_loadable():
         os.environ["MGB_WORKER_MAX_SPIN"] = WORKER_SPIN
+
+
+def keep_fastrun_cache_in_memory():
+    """Keep MegEngine's fastrun cache in memory (``MGE_FASTRUN_CACHE_TYPE=MEMORY``).
+
+    Importing MegEngine otherwise creates ``$XDG_CACHE_HOME/megengine/persistent_cache/cache.bin``, so every
+    command, bad input included, wrote outside the paths it was given; megdiffusion runs no fastrun. Takes
+    effect only before MegEngine is imported (``import megdiffusion`` calls it); a value the user set is kept.
+    """
+    if "megengine" not in sys.modules:
+        os.environ.setdefault("MGE_FASTRUN_CACHE_TYPE", "MEMORY")
 
 
 def empty_dtr_candidates():

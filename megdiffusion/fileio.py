@@ -1,18 +1,32 @@
-"""Atomic file writes: every file megdiffusion writes appears complete or not at all."""
+"""Atomic file writes (every file megdiffusion writes appears complete or not at all), and the output
+directories of the scripts: checked before anything is written, locked while a command writes in them."""
 import contextlib
+import fcntl
 import os
 import tempfile
+import zipfile
+import zlib
 
 import numpy as np
+
+from megdiffusion.errors import MegdiffusionError
+
+
+class OutputError(MegdiffusionError):
+    """An output path that cannot be written, or is in use or holds other files; the message is one line."""
 
 
 @contextlib.contextmanager
 def atomic_write(path, mode="wb"):
     """Yield a file open on a temporary file beside ``path``; on success it is flushed, synced and renamed
-    over ``path``. On any error the temporary file is removed and ``path`` is left as it was."""
+    over ``path``. On any error the temporary file is removed and ``path`` is left as it was; an ``OSError``
+    names ``path``, not the temporary file."""
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    except OSError as err:
+        raise OSError(err.errno, f"cannot write: {err.strerror}", str(path)) from None
     try:
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; give the usual permissions
         with os.fdopen(fd, mode) as f:
@@ -20,9 +34,11 @@ def atomic_write(path, mode="wb"):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+        if isinstance(err, OSError):
+            raise OSError(err.errno, f"cannot write: {err.strerror or err}", str(path)) from None
         raise
 
 
@@ -42,3 +58,62 @@ def save_npz(path, **arrays):
     """``np.savez`` to ``path`` atomically (the name is kept as given: no ``.npz`` is appended)."""
     with atomic_write(path) as f:
         np.savez(f, **arrays)
+
+
+def read_npz(path):
+    """Every array of the npz file at ``path`` as a dict (pickled objects refused); ``ValueError`` with a
+    one-line reason for a file that is not a readable npz archive."""
+    try:
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise ValueError("it holds a single .npy array, not an npz archive")
+        with data:
+            return {name: data[name] for name in data.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        raise ValueError(f"cannot read {path} as an npz archive: {exc}") from None
+
+
+def check_writable(path, flag, directory=True):
+    """``OutputError`` unless ``path`` (a directory, or with ``directory=False`` a file) can be created or
+    written: its nearest existing ancestor must be a directory in which a file can be made (a probe file,
+    removed at once). Names ``flag`` (the option that gave the path) in the message."""
+    if not str(path):
+        raise OutputError(f"{flag} is empty; give a path")
+    full = os.path.abspath(path)
+    if os.path.isdir(full) != directory and os.path.exists(full):
+        raise OutputError(f"{flag} {path} is {'a file' if directory else 'a directory'}; give "
+                          f"{'a directory' if directory else 'a file name'}")
+    existing = full if directory else os.path.dirname(full)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise OutputError(f"{flag} {path} cannot be made: {existing} is a file; choose another {flag}")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".probe-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as err:
+        raise OutputError(f"{flag} {path} cannot be written ({err.strerror} in {existing}); "
+                          f"choose another {flag}") from None
+
+
+@contextlib.contextmanager
+def output_directory(path, flag, marker):
+    """Hold directory ``path`` for one command's writes: ``check_writable``, create it, and lock it against
+    other processes for the block (``OutputError`` if one holds it). A directory that already holds files
+    but not ``marker`` (the file the command writes there first) is refused: it belongs to something else."""
+    check_writable(path, flag)
+    os.makedirs(path, exist_ok=True)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputError(f"{flag} {path} is in use by another megdiffusion command; wait for it to end or "
+                              f"choose another {flag}") from None
+        if os.listdir(path) and not os.path.exists(os.path.join(path, marker)):
+            raise OutputError(f"{flag} {path} holds files that megdiffusion did not write (no {marker}); "
+                              f"choose a new or empty {flag}")
+        yield
+    finally:
+        os.close(fd)  # releases the lock
