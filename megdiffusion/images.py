@@ -1,11 +1,19 @@
-"""Image conversions, grids and PNG read/write.
+"""Image conversions, grids and image files read and written.
 
 Convention: NCHW float32 in [-1, 1] inside the models, NHWC uint8 at the edges (files, datasets, FID).
+Every image file is read through :func:`open_image`, which gives 8 bits per channel.
 """
 import numpy as np
 from PIL import Image
 
+from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import atomic_write
+
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")  # 16-bit gray, as PIL opens it from PNG and TIFF
+
+
+class ImageError(MegdiffusionError):
+    """An image file that cannot be read, or whose pixels are not 8 or 16 bits; the message is one line."""
 
 
 def to_uint8(x):
@@ -46,8 +54,26 @@ def save_png(path, image):
         Image.fromarray(image).save(f, format="PNG")
 
 
+def open_image(path, mode="RGB"):
+    """The image file at ``path`` as a loaded PIL image with 8 bits per channel, converted to ``mode`` (None:
+    the file's own). 16-bit gray is scaled to 8 bits (65535 -> 255); 32-bit integer or float pixels, and
+    files that do not read, raise :class:`ImageError` naming the file."""
+    try:
+        with Image.open(path) as image:
+            image.load()
+            if image.mode in SIXTEEN_BIT_MODES:
+                scaled = np.rint(np.asarray(image, dtype=np.float64) / 257.0).astype(np.uint8)
+                return Image.fromarray(scaled).convert(mode or "L")
+            if image.mode in ("I", "F"):
+                raise ImageError(f"{path} has 32-bit {'float' if image.mode == 'F' else 'integer'} pixels; "
+                                 "convert it to 8 or 16 bits per channel")
+            return image.convert(mode) if mode else image.copy()
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise ImageError(f"cannot read image {path}: {exc}; remove or replace it") from None
+
+
 def read_image(path, mode="RGB"):
-    """Read an image file as uint8 HWC; ``mode`` "RGB" converts gray/palette images, None keeps the file's."""
-    with Image.open(path) as image:
-        array = np.asarray(image.convert(mode) if mode else image, dtype=np.uint8)
+    """Read an image file as uint8 HWC (``open_image``); ``mode`` "RGB" converts gray/palette images, None keeps
+    the file's."""
+    array = np.asarray(open_image(path, mode), dtype=np.uint8)
     return array if array.ndim == 3 else array[:, :, None]

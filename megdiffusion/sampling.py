@@ -14,7 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from megdiffusion.errors import MegdiffusionError
-from megdiffusion.fileio import save_npz, write_text
+from megdiffusion.fileio import output_directory, save_npz, write_text
 from megdiffusion.generation import generate_images
 from megdiffusion.images import make_grid, read_image, save_png
 from megdiffusion.training import checkpoint, distributed
@@ -41,6 +41,7 @@ class SampleJob:
     batch_size: int = 64  # per process
     ema: bool = True
     progress: bool = True
+    npz: bool = True  # also write samples.npz
 
     def manifest(self, step):
         """The settings that decide the images (``manifest.json``): a directory never mixes two of them."""
@@ -50,16 +51,19 @@ class SampleJob:
 
 def run_job(job, num_gpus=1):
     """Write the job's missing images into ``job.output``, in this process or in one spawned process per
-    GPU (``distributed.launch``); returns the checkpoint's step. Everything is checked before any writing."""
+    GPU (``distributed.launch``), then its grid and npz; returns the checkpoint's step. Everything is checked
+    before anything is written, and the output directory is locked meanwhile."""
     distributed.check_launch(num_gpus)
     loaded = load_model(job.ckpt, job.ema)
     _, diffusion, _, step = loaded
     check_sampler(diffusion, job.sampler, job.steps, job.eta)
-    prepare_output(job.output, job.manifest(step))
-    if num_gpus == 1:
-        sample_share(job, loaded)
-    else:
-        distributed.launch(sample_share, (job,), num_gpus)
+    with output_directory(job.output, "--output", MANIFEST):
+        prepare_output(job.output, job.manifest(step))
+        if num_gpus == 1:
+            sample_share(job, loaded)
+        else:
+            distributed.launch(sample_share, (job,), num_gpus)
+        write_summaries(job.output, job.num_images, npz=job.npz)
     return step
 
 
@@ -80,10 +84,10 @@ def load_model(ckpt_or_logdir, ema=True):
     Returns ``(model, diffusion, cfg, step)``: the model in eval mode with the EMA weights (``ema=False``:
     the raw ones) and the run's ``TrainConfig``. Raises ``CheckpointError``.
     """
-    state = checkpoint.load_file_or_newest(ckpt_or_logdir)
-    cfg = checkpoint.config_of(state)
+    state, path = checkpoint.load_file_or_newest(ckpt_or_logdir)
+    cfg = checkpoint.config_of(state, path)
     model = build_model(cfg)
-    model.load_state_dict(state["ema" if ema else "model"])
+    checkpoint.load_weights(model, state["ema" if ema else "model"], path)
     model.eval()
     return model, build_diffusion(cfg), cfg, state["step"]
 
@@ -101,26 +105,24 @@ def image_path(output, index):
 
 
 def prepare_output(output, settings):
-    """Create ``output`` (a directory) or check that its manifest matches ``settings``.
+    """Write ``settings`` as the manifest of directory ``output``, or check that its manifest matches them.
 
     A directory written with other settings is refused, so images of two models or samplers never mix.
     """
-    output = Path(output)
-    if output.exists() and not output.is_dir():
-        raise SamplingError(f"--output {output} is a file; give a directory (it will hold 000000.png, ...)")
-    manifest = output / MANIFEST
+    manifest = Path(output) / MANIFEST
     if manifest.exists():
         try:
             previous = json.loads(manifest.read_text())
         except (OSError, ValueError):
-            raise SamplingError(f"{manifest} is unreadable; delete it or choose another --output") from None
+            previous = None
+        if not isinstance(previous, dict):
+            raise SamplingError(f"{manifest} is unreadable; delete it or choose another --output")
         changed = sorted(k for k in settings if previous.get(k) != settings[k])
         if changed:
             details = ", ".join(f"{k}: {previous.get(k)!r} -> {settings[k]!r}" for k in changed)
             raise SamplingError(f"{output} holds images made with other settings ({details}); "
                                 "choose another --output or delete it")
         return
-    output.mkdir(parents=True, exist_ok=True)
     write_text(manifest, json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
@@ -137,7 +139,7 @@ def sample_to_directory(model, diffusion, image_shape, output, num_images, seed,
     one batch and a rerun continues where it stopped.
     """
     todo = missing_indices(output, num_images, rank, world_size)
-    bar = tqdm(total=len(todo), unit="img", desc=f"sampling ({sampler})", disable=not progress or rank != 0,
+    bar = tqdm(total=len(todo), unit="img", desc=f"sampling ({sampler})", disable=not (progress and todo and rank == 0),
                dynamic_ncols=True)
     with bar:
         for start in range(0, len(todo), batch_size):

@@ -2,12 +2,15 @@
 
 - :func:`load_torch_file`: what ``torch.save`` wrote (the zip archive of torch >= 1.6, or the legacy
   format before it), tensors as numpy arrays; :func:`read_torch_archive` flattens it (TorchScript too).
-- :func:`load_array_pickle`: a plain pickle of numpy arrays in dicts and lists (``megengine.save``).
+- :func:`load_array_pickle`: a plain pickle of numpy arrays in dicts and lists (``megengine.save``,
+  megdiffusion's checkpoints, CIFAR-10's batches).
 
 Each unpickler refuses every class but the few its format needs, so loading a file runs no code stored in
 it. :func:`cached_arrays` converts a file once and keeps the result as ``.npz`` under :func:`cache_dir`.
-The FID Inception's weights and published DDPM checkpoints (``megdiffusion.formats``) come through here.
+The FID Inception's weights, checkpoints (``training.checkpoint``) and published DDPM checkpoints
+(``megdiffusion.formats``) come through here.
 """
+import codecs
 import collections
 import hashlib
 import io
@@ -251,18 +254,21 @@ class _ArrayUnpickler(pickle.Unpickler):
             return _NUMPY_NAMES[name]
         if (module, name) == ("collections", "OrderedDict"):
             return collections.OrderedDict
+        if (module, name) == ("_codecs", "encode"):  # bytes, in a protocol 2 pickle written by Python 3
+            return codecs.encode
         raise RefusedClass(f"refusing to load {module}.{name}: not a numpy array or container")
 
 
-def load_array_pickle(path):
-    """The object a plain pickle of numpy arrays holds (``megengine.save`` of a state dict, for example).
+def load_array_pickle(path, encoding="ASCII"):
+    """The object a plain pickle of numpy arrays holds (``megengine.save`` of a state dict, a megdiffusion
+    checkpoint, a CIFAR-10 batch); ``encoding``: how Python 2 strings are read (``pickle.Unpickler``'s).
 
     Raises :class:`WeightsError` when the file cannot be read or is not a pickle, and :class:`RefusedClass` (one)
     when it names any class but numpy arrays, dtypes, scalars and ``OrderedDict``.
     """
     try:
         with open(path, "rb") as f:
-            obj = _ArrayUnpickler(f).load()
+            obj = _ArrayUnpickler(f, encoding=encoding).load()
     except WeightsError:
         raise
     except OSError as exc:

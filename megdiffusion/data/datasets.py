@@ -5,13 +5,15 @@ raising ``DatasetError`` with a one-line message that says what to fix.
 """
 import gzip
 import os
-import pickle
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from megdiffusion.errors import MegdiffusionError
+from megdiffusion.fileio import read_npz
+from megdiffusion.images import ImageError, open_image
+from megdiffusion.torch_archive import load_array_pickle
 
 ASSETS = Path(__file__).parent / "assets"
 EMBEDDED_IMAGES = ASSETS / "t10k-images-idx3-ubyte.gz"
@@ -64,9 +66,8 @@ def _cifar10(path):
     arrays = []
     for batch in batches:
         try:
-            with open(batch, "rb") as f:
-                # The official batches are pickled dicts of numpy arrays (trusted input, like torch.load).
-                arrays.append(np.asarray(pickle.load(f, encoding="bytes")[b"data"], dtype=np.uint8))
+            # The official batches are pickled dicts of numpy arrays and lists (Python 2 pickles).
+            arrays.append(np.asarray(load_array_pickle(batch, encoding="bytes")[b"data"], dtype=np.uint8))
         except Exception as exc:  # noqa: BLE001 - any failure means an unreadable batch
             raise DatasetError(f"cannot read CIFAR-10 batch {batch}: {exc}") from None
     # Rows are 3072 bytes: the R, G and B planes of a 32x32 image, in that order (RGB, unlike MegEngine's CIFAR10).
@@ -84,8 +85,8 @@ def _centre_crop_resize(image, size):
 
 class ImageFolder:
     """The images under a directory (recursive, sorted paths, ``IMAGE_EXTENSIONS``), read lazily as uint8
-    HWC RGB; with ``image_size``, centre-cropped to a square and resized to it. Training's "folder"
-    dataset and FID's image directories both read through it."""
+    HWC RGB (``images.open_image``: 16-bit gray is scaled); with ``image_size``, centre-cropped to a square
+    and resized to it. Training's "folder" dataset and FID's image directories both read through it."""
 
     def __init__(self, root, image_size=None):
         self.paths = sorted(p for p in Path(root).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
@@ -97,13 +98,11 @@ class ImageFolder:
         return len(self.paths)
 
     def __getitem__(self, index):
-        path = self.paths[index]
         try:
-            with Image.open(path) as image:
-                image = image.convert("RGB")
-                return np.asarray(_centre_crop_resize(image, self.image_size) if self.image_size else image)
-        except (OSError, UnidentifiedImageError) as exc:
-            raise DatasetError(f"unreadable image {path}: {exc}; remove or replace it") from None
+            image = open_image(self.paths[index])
+        except ImageError as exc:
+            raise DatasetError(str(exc)) from None
+        return np.asarray(_centre_crop_resize(image, self.image_size) if self.image_size else image)
 
 
 def _folder(path, image_size):
@@ -122,12 +121,13 @@ def _npz(path):
     if path is None or not Path(path).is_file():
         raise DatasetError(f"--data_path must be an .npz file with uint8 NHWC images under 'arr_0', got {path!r}")
     try:
-        with np.load(path, allow_pickle=False) as data:
-            images = data["arr_0"]
-    except KeyError:
-        raise DatasetError(f"{path} has no 'arr_0' array (expected uint8 NHWC images)") from None
-    except (OSError, ValueError) as exc:
-        raise DatasetError(f"cannot read {path}: {exc}") from None
+        arrays = read_npz(path)
+    except ValueError as exc:
+        raise DatasetError(str(exc)) from None
+    if "arr_0" not in arrays:
+        raise DatasetError(f"{path} has no 'arr_0' array (expected uint8 NHWC images; it holds: "
+                           f"{', '.join(arrays) or 'nothing'})")
+    images = arrays["arr_0"]
     if images.dtype != np.uint8 or images.ndim != 4 or images.shape[3] not in (1, 3):
         raise DatasetError(f"{path}: arr_0 must be uint8 NHWC with 1 or 3 channels, "
                            f"got {images.dtype} {images.shape}")

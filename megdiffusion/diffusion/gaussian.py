@@ -4,6 +4,8 @@ Timesteps t are integers 0..T-1 (t = 0 is the first noising step). Tensors are N
 The schedule arrays are float64 numpy, computed once; the ones needed per sample are moved to float32
 tensors once, in ``__init__``. The model is passed to each call, never stored.
 """
+import math
+
 import numpy as np
 
 import megengine
@@ -159,8 +161,8 @@ class GaussianDiffusion:
         """Raise ValueError (one line) unless ``sample`` accepts this sampler, step count and eta."""
         if sampler not in SAMPLERS:
             raise ValueError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
-        if eta < 0 or (eta and sampler != "ddim"):
-            raise ValueError(f"eta must be >= 0 and is only used by the ddim sampler, got eta={eta}")
+        if not (math.isfinite(eta) and eta >= 0) or (eta and sampler != "ddim"):
+            raise ValueError(f"eta must be a finite number >= 0 and is only used by the ddim sampler, got eta={eta}")
         samplers.timestep_subsequence(self.num_timesteps, steps)
 
     def sample(self, model, shape, sampler="ddpm", steps=None, eta=0.0, noise=None, clip_denoised=True,

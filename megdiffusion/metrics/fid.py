@@ -17,7 +17,7 @@ import zipfile
 import numpy as np
 
 from megdiffusion.errors import MegdiffusionError
-from megdiffusion.fileio import save_npz
+from megdiffusion.fileio import read_npz, save_npz
 
 INPUT_SIZE = 299
 
@@ -191,12 +191,15 @@ def save_statistics(path, mu, sigma):
 def load_statistics(path):
     """(mu, sigma) as float64 from an npz with keys ``mu`` and ``sigma``; :class:`FIDError` otherwise."""
     try:
-        with np.load(path) as npz:
-            if "mu" not in npz.files or "sigma" not in npz.files:
-                raise FIDError(f"{path} has no 'mu' and 'sigma' arrays (keys: {', '.join(npz.files)})")
-            mu, sigma = npz["mu"].astype(np.float64), npz["sigma"].astype(np.float64)
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
-        raise FIDError(f"cannot read statistics {path}: {exc}") from None
+        arrays = read_npz(path)
+    except ValueError as exc:
+        raise FIDError(str(exc)) from None
+    missing = [key for key in ("mu", "sigma") if key not in arrays]
+    if missing:
+        raise FIDError(f"{path} has no {' and no '.join(repr(key) for key in missing)} array (it holds: "
+                       f"{', '.join(arrays) or 'nothing'}); statistics files hold 'mu' and 'sigma', as "
+                       "--save_stats writes them")
+    mu, sigma = arrays["mu"].astype(np.float64), arrays["sigma"].astype(np.float64)
     if mu.ndim != 1 or sigma.shape != (len(mu), len(mu)):
         raise FIDError(f"{path}: mu must be (D,) and sigma (D, D), got {mu.shape} and {sigma.shape}")
     return mu, sigma
@@ -223,12 +226,13 @@ def images_for_source(spec):
 
 
 def _is_statistics_file(spec):
+    """Whether ``spec`` is an npz that holds ``mu`` or ``sigma`` (one alone is reported by ``load_statistics``)."""
     if not (spec.endswith(".npz") and os.path.isfile(spec)):
         return False
     try:
-        with np.load(spec) as npz:
-            return "mu" in npz.files and "sigma" in npz.files
-    except (OSError, ValueError, zipfile.BadZipFile):
+        with np.load(spec) as npz:  # lists the names without reading the arrays
+            return "mu" in npz.files or "sigma" in npz.files
+    except (OSError, ValueError, AttributeError, zipfile.BadZipFile):  # AttributeError: a .npy has no names
         return False
 
 

@@ -13,6 +13,7 @@ from absl import app, flags
 from megdiffusion.cli import UsageError, megengine_failures, one_line_errors, parse_flags
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import VAR_TYPES
+from megdiffusion.fileio import check_writable
 from megdiffusion.formats import CHANNEL_ORDERS, FORMATS
 
 FLAGS = flags.FLAGS
@@ -40,12 +41,10 @@ def main(argv):
         src, out = argv[1:]
         if os.path.exists(out):
             raise UsageError(f"{out} exists; give a new path (convert overwrites nothing)")
+        check_writable(out, "OUT", directory=False)  # before the conversion, not after it
         cfg, weights, record = formats.convert(src, FLAGS.format, FLAGS.ema, FLAGS.image_size, FLAGS.norm_groups,
                                                FLAGS.var_type, FLAGS.channel_order)
-        try:
-            checkpoint.save_checkpoint(out, checkpoint.weights_snapshot(cfg, weights, record))
-        except OSError as err:
-            raise UsageError(f"cannot write {out}: {err.strerror or err}") from None
+        checkpoint.save_checkpoint(out, checkpoint.weights_snapshot(cfg, weights, record))
     count = sum(array.size for array in weights.values())
     print(f"wrote {out}: {record['format']} {record['weights']} of {src} ({record['channel_order'].upper()}), "
           f"{count:,} parameters, {cfg.image_size}x{cfg.image_size}x{cfg.image_channels}; "

@@ -3,9 +3,11 @@ model, save sample and real grids, and score FID against the embedded data.
 
     python -m megdiffusion.scripts.demo [--minutes 10] [--output runs/demo] [--resume]
 
-Everything goes under --output. Without --resume a previous demo there is replaced (training starts
-clean; the cached Inception weights and reference statistics are kept); with --resume training continues
-from its last checkpoint for another --minutes.
+Everything goes under --output, and only after every input has been checked. Without --resume a previous
+demo there is replaced (training starts clean; the cached Inception weights and reference statistics are
+kept); with --resume training continues from its last checkpoint for another --minutes. A directory that
+holds other files is refused, and so is one another demo is writing in. Ctrl-C stops the whole demo (after
+a checkpoint, when it comes during training).
 """
 import json
 import os
@@ -17,7 +19,7 @@ from absl import app, flags
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import SAMPLERS
 from megdiffusion.training.config import CPU_RECIPE
-from megdiffusion.fileio import save_npz, write_text
+from megdiffusion.fileio import output_directory, save_npz, write_text
 
 FLAGS = flags.FLAGS
 flags.DEFINE_float("minutes", 10.0, "Training time budget in minutes (this run).")
@@ -36,24 +38,18 @@ KEPT_ON_RESTART = ("cache", "reference")
 
 
 def prepare_output(output, resume):
-    """Create ``output``; without ``resume`` clear a previous demo there (never a directory of other data)."""
-    from megdiffusion.cli import UsageError
-
-    if os.path.exists(output) and not os.path.isdir(output):
-        raise UsageError(f"--output {output} is a file; give a directory")
-    if os.path.isdir(output) and os.listdir(output) and not os.path.exists(os.path.join(output, MARKER)):
-        raise UsageError(f"--output {output} exists and is not a demo directory; choose another --output")
-    if os.path.isdir(output) and not resume:
+    """Without ``resume`` clear a previous demo in ``output`` (keeping ``KEPT_ON_RESTART``); mark it as a demo's."""
+    if not resume:
         for name in os.listdir(output):
             if name not in KEPT_ON_RESTART:
                 path = os.path.join(output, name)
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    os.makedirs(output, exist_ok=True)
     write_text(os.path.join(output, MARKER), json.dumps({"created_by": "megdiffusion.scripts.demo"}) + "\n")
 
 
 def demo(output, minutes, resume, config_path, num_images, num_reference, sampler, steps, batch_size):
-    """Train, sample, draw grids and score; returns the summary dict (also written to summary.json)."""
+    """Check everything, then (``output`` locked) train, sample, draw grids and score; returns the summary dict
+    (also written to summary.json)."""
     from megdiffusion.evaluate import model_fid, reference_statistics
     from megdiffusion.images import make_grid, save_png
     from megdiffusion.sampling import check_sampler, load_model
@@ -63,31 +59,33 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
 
     logdir = os.path.join(output, "train")
     latest = load_latest(logdir) if resume else None
-    resume = latest is not None
     # The recipe's --total_steps stays the cap (and the progress bar's total); the time budget ends the run.
-    cfg, images = config_from_flagfile(config_path, logdir=logdir, resume=resume, time_limit_minutes=minutes)
+    cfg, images = config_from_flagfile(config_path, logdir=logdir, resume=latest is not None,
+                                       time_limit_minutes=minutes)
     check_sampler(build_diffusion(cfg), sampler, steps)  # before training, not after 10 minutes of it
     start_step = latest[0]["step"] if latest else 0
-    started = time.monotonic()
-    step = train(cfg, images)
-    train_seconds = time.monotonic() - started
+    with output_directory(output, "--output", MARKER):
+        prepare_output(output, resume)
+        started = time.monotonic()
+        step = train(cfg, images)
+        train_seconds = time.monotonic() - started
 
-    model, diffusion, _, _ = load_model(logdir, ema=True)
-    cache = os.path.join(output, "reference", f"fashion_mnist_first{num_reference}.npz")
-    reference = reference_statistics(images[:num_reference], cache, batch_size, progress=True)
-    fid, samples = model_fid(model, diffusion, cfg.image_shape, reference, num_images, cfg.seed, sampler, steps,
-                             batch_size=batch_size, progress=True)
-    save_png(os.path.join(output, "samples.png"), make_grid(samples[:64], nrow=8))
-    save_png(os.path.join(output, "real.png"), make_grid(images[:64], nrow=8))
-    save_npz(os.path.join(output, "samples.npz"), arr_0=samples)
-    summary = {"steps": int(step), "steps_this_run": int(step - start_step),
-               "train_minutes": round(train_seconds / 60, 2),
-               "train_images_per_s": round((step - start_step) * cfg.batch_size / train_seconds, 1),
-               "fid": round(float(fid), 2), "fid_num_images": num_images,
-               "fid_reference": f"the first {min(num_reference, len(images))} embedded Fashion-MNIST images",
-               "sampler": f"{sampler}-{steps}", "samples_grid": os.path.join(output, "samples.png"),
-               "real_grid": os.path.join(output, "real.png")}
-    write_text(os.path.join(output, "summary.json"), json.dumps(summary, indent=2) + "\n")
+        model, diffusion, _, _ = load_model(logdir, ema=True)
+        cache = os.path.join(output, "reference", f"fashion_mnist_first{num_reference}.npz")
+        reference = reference_statistics(images[:num_reference], cache, batch_size, progress=True)
+        fid, samples = model_fid(model, diffusion, cfg.image_shape, reference, num_images, cfg.seed, sampler, steps,
+                                 batch_size=batch_size, progress=True)
+        save_png(os.path.join(output, "samples.png"), make_grid(samples[:64], nrow=8))
+        save_png(os.path.join(output, "real.png"), make_grid(images[:64], nrow=8))
+        save_npz(os.path.join(output, "samples.npz"), arr_0=samples)
+        summary = {"steps": int(step), "steps_this_run": int(step - start_step),
+                   "train_minutes": round(train_seconds / 60, 2),
+                   "train_images_per_s": round((step - start_step) * cfg.batch_size / train_seconds, 1),
+                   "fid": round(float(fid), 2), "fid_num_images": num_images,
+                   "fid_reference": f"the first {min(num_reference, len(images))} embedded Fashion-MNIST images",
+                   "sampler": f"{sampler}-{steps}", "samples_grid": os.path.join(output, "samples.png"),
+                   "real_grid": os.path.join(output, "real.png")}
+        write_text(os.path.join(output, "summary.json"), json.dumps(summary, indent=2) + "\n")
     return summary
 
 
@@ -98,9 +96,7 @@ def main(argv):
     with one_line_errors(), megengine_failures("continue with scripts/demo.sh --resume"):
         if FLAGS.minutes <= 0 or FLAGS.num_images < 2 or FLAGS.num_reference < 2:
             raise UsageError("--minutes must be > 0, --num_images and --num_reference at least 2")
-        prepare_output(FLAGS.output, FLAGS.resume)
-        # Caches (MegEngine's, the converted Inception weights) go under --output too: nothing is written
-        # elsewhere.
+        # The converted Inception weights are cached under --output too: nothing is written elsewhere.
         os.environ["XDG_CACHE_HOME"] = os.path.abspath(os.path.join(FLAGS.output, "cache"))
         quiet_megengine()
         s = demo(FLAGS.output, FLAGS.minutes, FLAGS.resume, FLAGS.config or CPU_RECIPE,

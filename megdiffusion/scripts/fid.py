@@ -14,6 +14,7 @@ from absl import app, flags
 from megdiffusion.cli import UsageError, megengine_failures, one_line_errors, parse_flags
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import SAMPLERS
+from megdiffusion.fileio import check_writable
 
 FLAGS = flags.FLAGS
 flags.DEFINE_boolean("save_stats", False, "Write the statistics of PATH to OUT.npz instead of computing FID.")
@@ -75,6 +76,7 @@ def main(argv):
         if FLAGS.save_stats:
             if not paths[1].endswith(".npz"):
                 raise UsageError(f"the statistics file must end in .npz, got {paths[1]!r}")
+            check_writable(paths[1], "OUT.npz", directory=False)  # before the Inception pass, not after it
             mu, sigma = _statistics(paths[0], FLAGS.num_images)
             save_statistics(paths[1], mu, sigma)
             print(f"wrote {paths[1]} (mu {mu.shape}, sigma {sigma.shape})")

@@ -38,9 +38,8 @@ def main(argv):
         if FLAGS.num_images < 1 or FLAGS.batch_size < 1 or FLAGS.num_gpus < 1:
             raise UsageError("--num_images, --batch_size and --num_gpus must be positive")
         job = sampling.SampleJob(FLAGS.ckpt, FLAGS.output, FLAGS.num_images, FLAGS.seed, FLAGS.sampler, FLAGS.steps,
-                                 FLAGS.eta, FLAGS.batch_size, FLAGS.ema)
+                                 FLAGS.eta, FLAGS.batch_size, FLAGS.ema, npz=FLAGS.npz)
         step = sampling.run_job(job, FLAGS.num_gpus)
-    sampling.write_summaries(FLAGS.output, FLAGS.num_images, npz=FLAGS.npz)
     print(f"{FLAGS.num_images} images in {FLAGS.output} (grid.png{', samples.npz' if FLAGS.npz else ''}), "
           f"from {FLAGS.ckpt} step {step}, {'EMA' if FLAGS.ema else 'raw'} weights")
 

@@ -13,17 +13,22 @@ weights as both ``model`` and ``ema``, step 0, ``optimizer`` and ``loader`` None
 strings) saying where they came from: it samples and scores like any checkpoint, and starts runs
 (``--init_from``), but does not resume one.
 
-Files live at ``<logdir>/checkpoints/ckpt_<step:07d>.pkl`` and are written atomically. Loading unpickles,
-which can run code stored in the file (as ``torch.load`` and ``megengine.load`` do): only load checkpoints
-you trust.
+Files live at ``<logdir>/checkpoints/ckpt_<step:07d>.pkl`` and are written atomically. They are read with
+``torch_archive.load_array_pickle``, which builds numpy arrays and plain values only: a file that asks for
+any other class is refused before anything in it runs. A loaded checkpoint's config is validated like
+flags (``config_of``) and its weights are checked against the network before they are loaded
+(``load_weights``).
 """
 import os
 import pickle
 import re
 import sys
 
+import numpy as np
+
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import atomic_write
+from megdiffusion.torch_archive import WeightsError, load_array_pickle
 
 CHECKPOINT_DIR = "checkpoints"
 REQUIRED_KEYS = ("step", "config", "model", "ema", "optimizer", "loader")
@@ -78,10 +83,9 @@ def load_checkpoint(path):
     if not os.path.isfile(path):
         raise CheckpointError(f"no checkpoint file at {path}")
     try:
-        with open(path, "rb") as f:
-            obj = pickle.load(f)
-    except Exception as err:  # pickle raises many types on truncated or garbled data
-        raise CheckpointError(f"cannot read checkpoint {path}: {type(err).__name__}: {err}") from None
+        obj = load_array_pickle(path)
+    except WeightsError as err:
+        raise CheckpointError(f"cannot read checkpoint {path}: {err}") from None
     if not isinstance(obj, dict) or any(key not in obj for key in REQUIRED_KEYS):
         raise CheckpointError(f"{path} is not a megdiffusion training checkpoint (missing keys)")
     return obj
@@ -106,23 +110,52 @@ def load_latest(logdir, warn=None):
 
 
 def load_file_or_newest(path):
-    """The checkpoint dict at ``path``, a checkpoint file or a run's logdir (its newest loadable checkpoint)."""
+    """The checkpoint at ``path``, a checkpoint file or a run's logdir (its newest loadable checkpoint), as
+    ``(state, file)``."""
     if not os.path.isdir(path):
-        return load_checkpoint(path)
+        return load_checkpoint(path), path
     latest = load_latest(path)
     if latest is None:
         raise CheckpointError(f"no checkpoints in {path}")
-    return latest[0]
+    return latest
 
 
-def config_of(state):
-    """The ``TrainConfig`` stored in checkpoint dict ``state``; ``CheckpointError`` when it is unusable."""
-    from megdiffusion.training.config import ConfigError, TrainConfig
+def config_of(state, path):
+    """The ``TrainConfig`` stored in checkpoint dict ``state`` (read from ``path``), validated like flags;
+    ``CheckpointError`` when it is unusable."""
+    from megdiffusion.training.config import ConfigError, TrainConfig, validate
 
     try:
-        return TrainConfig.from_dict(state["config"])
+        if not isinstance(state["config"], dict):
+            raise ConfigError(f"a {type(state['config']).__name__} where a dict belongs")
+        cfg = TrainConfig.from_dict(state["config"])
+        validate(cfg)
     except (ConfigError, TypeError) as err:
-        raise CheckpointError(f"checkpoint config is unusable: {err}") from None
+        raise CheckpointError(f"{path} holds an unusable config: {err}") from None
+    return cfg
+
+
+def load_weights(module, weights, path):
+    """Load the state dict ``weights`` of checkpoint ``path`` into ``module``; ``CheckpointError`` when its
+    names, shapes or kinds of number do not fit the network (a damaged or edited file)."""
+    expected = module.state_dict()
+    problem = None
+    if not isinstance(weights, dict):
+        problem = f"a {type(weights).__name__} where a dict of arrays belongs"
+    elif set(weights) != set(expected):
+        missing, unknown = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected), key=str)
+        problem = f"{len(missing)} arrays missing ({', '.join(missing[:3])}), {len(unknown)} unknown " \
+                  f"({', '.join(map(str, unknown[:3]))})"
+    else:
+        for name, value in expected.items():
+            got = weights[name]
+            if not (isinstance(got, np.ndarray) and got.shape == value.shape and got.dtype.kind == value.dtype.kind):
+                found = f"{got.dtype} {got.shape}" if isinstance(got, np.ndarray) else type(got).__name__
+                problem = f"{name} is {found}, the network's {value.dtype} {value.shape}"
+                break
+    if problem:
+        raise CheckpointError(f"{path}: its weights do not fit the network of its config: {problem}")
+    module.load_state_dict(weights)
 
 
 def differences(stored, cfg, names):
@@ -147,36 +180,45 @@ def weights_snapshot(cfg, weights, source):
 
 
 def load_init(cfg):
-    """The checkpoint ``cfg.init_from`` names (a file or a logdir's newest), checked to hold ``cfg``'s network."""
-    state = load_file_or_newest(cfg.init_from)
-    changed = differences(config_of(state), cfg, NETWORK_FIELDS)
+    """The checkpoint ``cfg.init_from`` names (a file or a logdir's newest), checked to hold ``cfg``'s network:
+    ``(state, path)``."""
+    state, path = load_file_or_newest(cfg.init_from)
+    changed = differences(config_of(state, path), cfg, NETWORK_FIELDS)
     if changed:
         raise CheckpointError(f"--init_from {cfg.init_from} holds a network with different {', '.join(changed)} "
                               f"({' '.join(changed.values())}); set those flags")
-    return state
+    return state, path
 
 
-def initialise(state, trainer):
-    """Start ``trainer`` from the model and EMA weights of checkpoint dict ``state`` (its optimizer stays new)."""
-    trainer.model.load_state_dict(state["model"])
-    trainer.ema.load_state_dict(state["ema"])
+def initialise(state, path, trainer):
+    """Start ``trainer`` from the model and EMA weights of checkpoint dict ``state`` (read from ``path``; its
+    optimizer stays new)."""
+    load_weights(trainer.model, state["model"], path)
+    load_weights(trainer.ema, state["ema"], path)
 
 
-def restore(state, path, trainer, loader):
-    """Load checkpoint dict ``state`` (read from ``path``) into ``trainer`` and ``loader``.
-
-    ``CheckpointError`` when it was trained with other ``RECIPE_FIELDS`` than ``trainer.cfg``.
-    """
+def check_recipe(state, path, cfg):
+    """``CheckpointError`` unless checkpoint dict ``state`` (read from ``path``) can continue a run of ``cfg``:
+    it holds an optimizer and data position, and was trained with the same ``RECIPE_FIELDS``."""
     if state["optimizer"] is None:
         raise CheckpointError(f"{path} holds weights only (no optimizer or data position); start a run from it "
                               "with --init_from")
-    changed = differences(config_of(state), trainer.cfg, RECIPE_FIELDS)
+    changed = differences(config_of(state, path), cfg, RECIPE_FIELDS)
     if changed:
         raise CheckpointError(f"{path} was trained with different {', '.join(changed)} "
                               f"({' '.join(changed.values())}); use those flags, the run's flags.cfg or another "
                               "--logdir")
-    trainer.model.load_state_dict(state["model"])
-    trainer.ema.load_state_dict(state["ema"])
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.step_count = int(state["step"])
-    loader.load_state_dict(state["loader"])
+
+
+def restore(state, path, trainer, loader):
+    """Load checkpoint dict ``state`` (read from ``path``) into ``trainer`` and ``loader`` (``check_recipe`` first)."""
+    check_recipe(state, path, trainer.cfg)
+    load_weights(trainer.model, state["model"], path)
+    load_weights(trainer.ema, state["ema"], path)
+    try:
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        trainer.step_count = int(state["step"])
+        loader.load_state_dict(state["loader"])
+    except (AssertionError, IndexError, KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{path}: its optimizer, step or data position is damaged "
+                              f"({type(err).__name__}: {err})") from None

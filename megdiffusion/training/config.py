@@ -9,8 +9,10 @@ a field added later says in ``absent`` what a stored config without it meant.
 """
 import dataclasses
 import json
+import math
 import operator
 import os
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Optional, Tuple
 
@@ -175,8 +177,29 @@ def rule(f):
     return " and ".join(parts) or None
 
 
+_TYPE_NAMES = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false",
+               Optional[int]: "an integer or unset", Optional[str]: "a string or unset",
+               Tuple[int, ...]: "a list of integers"}
+
+
+def _has_type(value, annotation):
+    """Whether ``value`` fits a field annotation (an int stands for a float; a bool for nothing but a bool)."""
+    if typing.get_origin(annotation) is typing.Union:
+        return any(_has_type(value, member) for member in typing.get_args(annotation))
+    if typing.get_origin(annotation) is tuple:
+        return isinstance(value, tuple) and all(_has_type(item, int) for item in value)
+    if isinstance(value, bool) or annotation is bool:
+        return isinstance(value, bool) and annotation is bool
+    if annotation is float:
+        return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+    return isinstance(value, annotation)
+
+
 def check_field(f, value):
-    """Raise ``ConfigError`` when ``value`` is outside the choices or bounds of field ``f`` (None passes)."""
+    """Raise ``ConfigError`` when ``value`` does not have the type of field ``f`` (floats must be finite), or is
+    outside its choices or bounds."""
+    if not _has_type(value, f.type):
+        raise ConfigError(f"--{f.name} must be {_TYPE_NAMES[f.type]}, got {value!r}")
     if value is None:
         return
     choices = f.metadata.get("choices")
@@ -280,9 +303,12 @@ def config_from_flagfile(path, **overrides):
     """``config_from_flags`` for a flagfile plus overrides (flag name -> value): ``(cfg, images)``."""
     from absl import flags
 
+    from megdiffusion.cli import parse_into
+
     flag_values = flags.FlagValues()
     define_flags(flag_values)
-    flag_values(["megdiffusion", f"--flagfile={path}"] + [as_flag(name, value) for name, value in overrides.items()])
+    parse_into(flag_values, ["megdiffusion", f"--flagfile={path}"] + [as_flag(name, value)
+                                                                      for name, value in overrides.items()])
     return config_from_flags(flag_values)
 
 

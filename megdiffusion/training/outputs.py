@@ -21,9 +21,12 @@ from megdiffusion.generation import generate_images
 from megdiffusion.training.config import to_flagfile, to_json
 
 
+RUN_MARKER = "flags.cfg"  # the first file a run writes in its logdir
+
+
 def write_run_files(cfg):
     """Save the effective flags (``flags.cfg``) and the resolved config (``config.json``) in the logdir."""
-    write_text(os.path.join(cfg.logdir, "flags.cfg"), to_flagfile(cfg))
+    write_text(os.path.join(cfg.logdir, RUN_MARKER), to_flagfile(cfg))
     write_text(os.path.join(cfg.logdir, "config.json"), to_json(cfg))
 
 

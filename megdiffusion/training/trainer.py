@@ -15,11 +15,12 @@ from megdiffusion.compat import EngineFailure, assign_, is_megengine_error, mege
 from megdiffusion.data.datasets import load_dataset
 from megdiffusion.data.loader import BatchLoader
 from megdiffusion.errors import MegdiffusionError
+from megdiffusion.fileio import output_directory
 from megdiffusion.images import save_png
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
 from megdiffusion.training.config import TrainConfig, build_diffusion, build_model
-from megdiffusion.training.outputs import RunLogger, grid_path, sample_grid, write_run_files
+from megdiffusion.training.outputs import RUN_MARKER, RunLogger, grid_path, sample_grid, write_run_files
 
 mge = quiet_megengine()
 from megengine.autodiff import GradManager  # noqa: E402
@@ -106,20 +107,33 @@ class Trainer:
 
 
 def check_logdir(cfg):
-    """Refuse to start a fresh run on top of another run's checkpoints, or from ``--init_from`` weights that do not
-    fit the network (``CheckpointError``)."""
-    existing = ckpt.list_checkpoints(cfg.logdir)
-    if not cfg.resume and existing:
+    """The checkpoint a run resumes from, ``(state, path)`` or None, checked before anything is written:
+    ``CheckpointError`` for a fresh run on top of another run's checkpoints, a checkpoint of another recipe, or
+    ``--init_from`` weights that do not fit the network."""
+    if not cfg.resume and ckpt.list_checkpoints(cfg.logdir):
         raise ckpt.CheckpointError(f"{cfg.logdir} already holds checkpoints; pass --resume to continue that "
                                    "run or choose another --logdir")
-    if cfg.init_from and not existing:
+    latest = ckpt.load_latest(cfg.logdir) if cfg.resume else None
+    if latest is not None:
+        ckpt.check_recipe(*latest, cfg)
+    elif cfg.init_from:
         ckpt.load_init(cfg)
+    return latest
+
+
+class TrainingInterrupted(MegdiffusionError):
+    """SIGINT or SIGTERM stopped training after a checkpoint was saved; exit code 128 + the signal number."""
+
+    def __init__(self, signum, message):
+        super().__init__(message)
+        self.exit_code = 128 + signum
 
 
 class TrainingRun:
     """The loop: batches -> ``Trainer.step`` -> per-step maintenance (logs, grids, checkpoints).
 
-    Only rank 0 writes. SIGINT/SIGTERM end the loop after the current step with a checkpoint.
+    Only rank 0 writes. SIGINT/SIGTERM end the loop after the current step with a checkpoint, then raise
+    ``TrainingInterrupted``.
     """
 
     def __init__(self, cfg, images, world_size=1, rank=0, progress=True):
@@ -132,9 +146,10 @@ class TrainingRun:
         self.saved_step = None
         self.logger = None
 
-    def resume(self):
-        """Load the newest loadable checkpoint of the logdir, if any. Returns its path or None."""
-        latest = ckpt.load_latest(self.cfg.logdir)
+    def resume(self, latest=None):
+        """Continue from ``latest`` (``(state, path)``; default: the newest loadable checkpoint of the logdir),
+        if there is one. Returns its path or None."""
+        latest = latest or ckpt.load_latest(self.cfg.logdir)
         if latest is None:
             return None
         state, path = latest
@@ -145,8 +160,8 @@ class TrainingRun:
     def initialise(self):
         """Start from the weights of ``cfg.init_from`` (model and EMA; new optimizer, step 0). Returns the step
         the weights were trained to."""
-        state = ckpt.load_init(self.cfg)
-        ckpt.initialise(state, self.trainer)
+        state, path = ckpt.load_init(self.cfg)
+        ckpt.initialise(state, path, self.trainer)
         return state["step"]
 
     def save(self):
@@ -161,11 +176,13 @@ class TrainingRun:
     def _on_signal(self, signum, frame):
         self.stop_signal = signum
 
-    def run(self):
-        """Train until ``total_steps``, a signal or the time limit; save a final checkpoint. Returns the step."""
+    def run(self, latest=None):
+        """``resume(latest)`` with --resume, then train until ``total_steps``, a signal or the time limit; save
+        a final checkpoint. Returns the step; ``TrainingInterrupted`` after that checkpoint when a signal
+        stopped it."""
         cfg = self.cfg
         self.deadline = time.monotonic() + 60 * cfg.time_limit_minutes if cfg.time_limit_minutes > 0 else None
-        resumed_from = self.resume() if cfg.resume else None
+        resumed_from = self.resume(latest) if cfg.resume else None
         init_step = self.initialise() if resumed_from is None and cfg.init_from else None
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         if self.writes:
@@ -181,6 +198,10 @@ class TrainingRun:
                 signal.signal(sig, handler)
             if self.logger is not None:
                 self.logger.close()
+        if self.stop_signal is not None:
+            raise TrainingInterrupted(self.stop_signal, f"stopped by {signal.Signals(self.stop_signal).name} at step "
+                                      f"{self.trainer.step_count}; checkpoint saved in "
+                                      f"{ckpt.checkpoint_dir(cfg.logdir)}; continue with --resume")
         return self.trainer.step_count
 
     def _loop(self):
@@ -197,9 +218,6 @@ class TrainingRun:
                     raise
                 raise EngineFailure(self._failure_message(error)) from None
         self.save()
-        if self.stop_signal is not None and self.logger is not None:
-            self.logger.message(f"stopped by signal {self.stop_signal} at step {self.trainer.step_count}; "
-                                f"checkpoint saved in {ckpt.checkpoint_dir(cfg.logdir)}")
 
     def _failure_message(self, error):
         """One line for a MegEngine failure: its first cause and the checkpoint a resumed run starts from."""
@@ -243,25 +261,29 @@ class TrainingRun:
         self.logger.message(f"step {self.trainer.step_count}: FID {value:.2f} ({cfg.fid_num_images} EMA samples)")
 
 
-def _worker(cfg, images=None, progress=True):
-    """One training process; ``images=None``: load the dataset here (launched workers)."""
+def _worker(cfg, images=None, latest=None, progress=True):
+    """One training process; ``images=None``, ``latest=None``: load the dataset and the checkpoint to resume
+    from here (launched workers)."""
     distributed.select_device(cfg)
     rank, world_size = distributed.rank_and_world()
     if images is None:
         images = load_dataset(cfg.dataset, path=cfg.data_path, image_size=cfg.image_size)
-    return TrainingRun(cfg, images, world_size, rank, progress).run()
+    return TrainingRun(cfg, images, world_size, rank, progress).run(latest)
 
 
 def train(cfg, images, progress=True, use_launcher=None):
-    """Check the devices and logdir, write the run files, and train on one or more processes.
+    """Check the devices and the logdir, lock the logdir, write the run files, and train on one or more
+    processes. Nothing is written before every check has passed.
 
     ``images`` (from ``config.resolve``) is used directly by a single process; launched workers
     each load the dataset themselves rather than receive a pickled copy. ``use_launcher``: see
     ``distributed.launch``. Returns the step reached (a list, one per local rank, when launched).
     """
     distributed.check_launch(cfg.num_gpus, cfg.device, cfg.world_size, cfg.rank_start, cfg.port)
-    check_logdir(cfg)
-    write_run_files(cfg)
-    launched = distributed.is_multiprocess(cfg.num_gpus, cfg.world_size) if use_launcher is None else use_launcher
-    return distributed.launch(_worker, (cfg, None if launched else images, progress), cfg.num_gpus, cfg.world_size,
-                              cfg.rank_start, cfg.master_ip, cfg.port, use_launcher=launched)
+    with output_directory(cfg.logdir, "--logdir", RUN_MARKER):
+        latest = check_logdir(cfg)
+        write_run_files(cfg)
+        launched = distributed.is_multiprocess(cfg.num_gpus, cfg.world_size) if use_launcher is None else use_launcher
+        args = (cfg, None, None, progress) if launched else (cfg, images, latest, progress)
+        return distributed.launch(_worker, args, cfg.num_gpus,
+                                  cfg.world_size, cfg.rank_start, cfg.master_ip, cfg.port, use_launcher=launched)
