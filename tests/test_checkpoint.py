@@ -9,6 +9,7 @@ import pytest
 
 from megdiffusion import sampling
 from megdiffusion.compat import quiet_megengine
+from megdiffusion.torch_archive import load_array_pickle
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training.trainer import TrainingRun
 
@@ -143,3 +144,54 @@ def test_a_checkpoint_written_at_9323ffd_loads_for_sampling_and_resumes(tmp_path
     assert run.loader.state_dict() == {"epoch": 0, "position": 8}
     loss = run.trainer.step(run.loader.next_batch())["loss"]
     assert loss == pytest.approx(float(expected["next_loss"]), rel=1e-5)
+
+
+class Payload:
+    """Unpickling it creates the file ``path``: a crafted checkpoint's code."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return exec, (f"open({self.path!r}, 'w').close()",)
+
+
+def test_a_crafted_checkpoint_is_refused_before_any_of_its_code_runs(tmp_path):
+    pickle.loads(pickle.dumps(Payload(str(tmp_path / "proof"))))  # plain unpickling runs it
+    assert (tmp_path / "proof").exists()
+    path = str(tmp_path / "evil.pkl")
+    ckpt.save_checkpoint(path, {**fake_state(1), "config": Payload(str(tmp_path / "ran"))})
+    with pytest.raises(ckpt.CheckpointError, match=r"cannot read checkpoint .*refusing to load builtins\.exec"):
+        ckpt.load_checkpoint(path)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_numpy_arrays_load_in_every_pickle_spelling(tmp_path):
+    """Protocol 5 (what save_checkpoint writes), protocol 2 (CIFAR-10's batches, Python 2), numpy 2's names."""
+    state = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "s": np.float64(2.5), "b": b"bytes", "t": (1, "x")}
+    protocol2 = pickle.dumps(state, protocol=2)
+    for data in (pickle.dumps(state, protocol=5), protocol2, protocol2.replace(b"numpy.core", b"numpy._core")):
+        assert b"numpy" in data
+        (tmp_path / "c.pkl").write_bytes(data)
+        loaded = load_array_pickle(tmp_path / "c.pkl")
+        np.testing.assert_array_equal(loaded["w"], state["w"])
+        assert loaded["s"] == 2.5 and loaded["b"] == b"bytes" and loaded["t"] == (1, "x")
+
+
+def test_stored_configs_and_weights_that_do_not_fit_are_one_line_errors(tiny_run, tmp_path):
+    tiny_run(tmp_path / "run", total_steps=2, save_every=0).run()
+    [path] = ckpt.list_checkpoints(str(tmp_path / "run"))
+    state = ckpt.load_checkpoint(path)
+    model = sampling.load_model(path)[0]
+    for config, message in (({**state["config"], "image_size": -4}, "--image_size must be >= 1, got -4"),
+                            ({**state["config"], "lr": float("inf")}, "--lr must be a finite number, got inf"),
+                            ([1, 2], "a list where a dict belongs")):
+        with pytest.raises(ckpt.CheckpointError, match=f"^{path} holds an unusable config: {message}"):
+            ckpt.config_of({**state, "config": config}, path)
+    name = next(iter(state["ema"]))
+    for weights, message in (({**state["ema"], name: np.zeros(3, np.float32)}, f"{name} is float32 \\(3,\\)"),
+                             ({**state["ema"], name: np.zeros(state["ema"][name].shape, np.int64)}, "is int64"),
+                             ({**state["ema"], "extra": np.zeros(1)}, "0 arrays missing \\(\\), 1 unknown \\(extra\\)"),
+                             ([], "a list where a dict of arrays belongs")):
+        with pytest.raises(ckpt.CheckpointError, match=f"^{path}: its weights do not fit .*{message}"):
+            ckpt.load_weights(model, weights, path)

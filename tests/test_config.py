@@ -117,3 +117,30 @@ def test_a_flagfile_with_overrides(tiny_config, tiny_images, tmp_path):
     cfg, images = config.config_from_flagfile(tmp_path / "flags.cfg", random_flip=False, channel_mult=(1, 2),
                                               lr=0.5)
     assert cfg == written.replace(random_flip=False, channel_mult=(1, 2), lr=0.5) and len(images) == 16
+
+
+def test_every_field_is_checked_for_its_type_and_floats_must_be_finite(tiny_config):
+    """What a stored config (a checkpoint's, not made by the flags) may hold: each field's type, finite floats."""
+    wrong = {float: ["0.1", float("nan"), float("inf"), True], int: [1.5, "2", False], str: [3, None],
+             bool: [1, "yes"]}
+    checked = 0
+    for f in dataclasses.fields(TrainConfig):
+        for value in wrong.get(f.type, []):
+            with pytest.raises(ConfigError, match=f"^--{f.name} must be (a finite number|an integer|a string|true or "
+                                                  f"false), got {value!r}"):
+                config.validate(tiny_config(**{f.name: value}))
+            checked += 1
+    assert checked >= 60
+    with pytest.raises(ConfigError, match=r"^--channel_mult must be a list of integers, got \('1', 2\)"):
+        config.validate(tiny_config(channel_mult=("1", 2)))
+    config.validate(tiny_config(lr=1, world_size=None, data_path=None))  # an int stands for a float; unset fields
+
+
+def test_a_flagfile_that_is_missing_or_holds_a_non_finite_number(tmp_path):
+    from megdiffusion.cli import UsageError
+
+    with pytest.raises(UsageError, match="^Unable to open flagfile: .*nope.cfg"):
+        config.config_from_flagfile(tmp_path / "nope.cfg")
+    (tmp_path / "flags.cfg").write_text("--lr=nan\n")
+    with pytest.raises(UsageError, match="^--lr must be a finite number, got nan$"):
+        config.config_from_flagfile(tmp_path / "flags.cfg")

@@ -4,8 +4,9 @@ import pickle
 
 import numpy as np
 import pytest
+from PIL import Image
 
-from megdiffusion.data.datasets import DatasetError, load_dataset, read_idx_images
+from megdiffusion.data.datasets import DatasetError, ImageFolder, load_dataset, read_idx_images
 from megdiffusion.images import make_grid, read_image, save_png, to_float, to_uint8
 
 
@@ -99,3 +100,29 @@ def test_written_files_get_the_usual_permissions(tmp_path):
     finally:
         os.umask(previous)
     assert (tmp_path / "p.png").stat().st_mode & 0o777 == 0o644
+
+
+def test_16_bit_gray_is_scaled_and_32_bit_pixels_are_refused(tmp_path):
+    """One image reader for training folders, FID folders and samples: 16-bit PNGs are not read as white."""
+    values = np.array([[0, 257, 32896], [65535, 128, 65278]], np.uint16)  # v / 257: 0, 1, 128, 255, 0.5, 254.0
+    Image.fromarray(values).save(tmp_path / "g16.png")
+    assert Image.open(tmp_path / "g16.png").mode == "I;16"
+    expected = np.array([[0, 1, 128], [255, 0, 254]], np.uint8)
+    np.testing.assert_array_equal(read_image(tmp_path / "g16.png", mode=None)[..., 0], expected)
+    np.testing.assert_array_equal(ImageFolder(tmp_path)[0], np.repeat(expected[..., None], 3, axis=2))
+    Image.fromarray(values.astype(np.int32)).save(tmp_path / "g32.tif")
+    with pytest.raises(DatasetError, match="g32.tif has 32-bit integer pixels; convert it to 8 or 16 bits"):
+        load_dataset("folder", str(tmp_path), image_size=2)
+
+
+def test_cifar10_batches_of_python_2_load_and_crafted_ones_are_refused(tmp_path):
+    data = np.arange(2 * 3072).astype(np.uint8).reshape(2, 3072)
+    for i in range(1, 6):  # protocol 2, as the official batches were written
+        with open(tmp_path / f"data_batch_{i}", "wb") as f:
+            pickle.dump({b"data": data, b"labels": [0, 1], b"filenames": [b"a.png", b"b.png"]}, f, protocol=2)
+    images = load_dataset("cifar10", str(tmp_path))
+    np.testing.assert_array_equal(images[1, 0, 0], data[1, [0, 1024, 2048]])
+    with open(tmp_path / "data_batch_3", "wb") as f:
+        pickle.dump({b"data": data, b"run": os.system}, f, protocol=2)
+    with pytest.raises(DatasetError, match="data_batch_3: refusing to load posix.system"):
+        load_dataset("cifar10", str(tmp_path))

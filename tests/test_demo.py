@@ -1,8 +1,10 @@
 """The demo pipeline end to end with a tiny budget: train, sample, grids, FID, summary; resume or restart."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 from PIL import Image
@@ -57,3 +59,23 @@ def test_demo_checks_the_sampler_before_training(tmp_path):
     result = run_demo(output, home, "--steps=1001")  # the recipe's T is 1000
     assert result.returncode == 2 and "steps must be an integer between 1 and T=1000" in result.stderr
     assert not (output / "train").exists()
+
+
+def test_ctrl_c_during_training_saves_a_checkpoint_and_stops_the_whole_demo(tmp_path):
+    home, output = tmp_path / "home", tmp_path / "out"
+    home.mkdir()
+    env = dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"))
+    demo = subprocess.Popen([sys.executable, "-m", "megdiffusion.scripts.demo", "--minutes=5", "--num_images=4",
+                             "--num_reference=6", "--steps=2", "--batch_size=4", f"--output={output}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=home)
+    deadline = time.time() + 120
+    while not (output / "train" / "metrics.jsonl").is_file():  # opened once the signal handlers are in place
+        assert demo.poll() is None and time.time() < deadline, demo.stderr.read() if demo.poll() else "timeout"
+        time.sleep(0.2)
+    demo.send_signal(signal.SIGINT)
+    _, stderr = demo.communicate(timeout=120)
+    assert demo.returncode == 130, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: stopped by SIGINT at step ") and last.endswith("continue with --resume")
+    assert len(os.listdir(output / "train" / "checkpoints")) == 1
+    assert sorted(os.listdir(output)) == ["demo.json", "train"]  # no reference statistics, samples or summary

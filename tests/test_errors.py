@@ -32,14 +32,19 @@ def test_the_base_and_the_handler_import_without_megengine():
 
 
 def test_one_line_errors_print_one_line_and_exit_with_the_error_code(capsys):
+    """megdiffusion's errors with their codes; paths that cannot be read or written (2), Ctrl-C (130)."""
     from megdiffusion.training.trainer import NonFiniteLossError
 
-    for error, code in ((UsageError("bad flag"), 2), (NonFiniteLossError("loss is nan"), 1)):
+    cases = ((UsageError("bad flag"), 2, "bad flag"), (NonFiniteLossError("loss is nan"), 1, "loss is nan"),
+             (PermissionError(13, "Permission denied", "/out/x.png"), 2, "/out/x.png: Permission denied"),
+             (OSError("image file is truncated"), 2, "image file is truncated"),
+             (KeyboardInterrupt(), 130, "interrupted; every file written so far is complete"))
+    for error, code, line in cases:
         with pytest.raises(SystemExit) as exit_info:
             with one_line_errors():
                 raise error
         assert exit_info.value.code == code
-        assert capsys.readouterr().err == f"error: {error}\n"
+        assert capsys.readouterr().err == f"error: {line}\n"
     with pytest.raises(KeyError):  # anything else is a bug: its traceback is kept
         with one_line_errors():
             raise KeyError("x")

@@ -142,7 +142,7 @@ def test_statistics_file_round_trip_and_format(tmp_path):
     np.testing.assert_array_equal(loaded[1], sigma)
     assert [p.name for p in path.parent.iterdir()] == ["stats.npz"]
     np.savez(tmp_path / "bad.npz", mean=mu)
-    with pytest.raises(fid.FIDError, match="no 'mu' and 'sigma'"):
+    with pytest.raises(fid.FIDError, match=r"no 'mu' and no 'sigma' array \(it holds: mean\)"):
         fid.load_statistics(str(tmp_path / "bad.npz"))
 
 

@@ -190,6 +190,7 @@ def test_launched_sampling_on_gpus_equals_one_process(logdir, tmp_path):
     if gpus > 1:
         sampling.run_job(launched, num_gpus=gpus)
     else:  # one GPU: still through the launcher, as one spawned process
+        os.makedirs(launched.output)
         sampling.prepare_output(launched.output, launched.manifest(3))
         distributed.launch(sampling.sample_share, (launched,), 1, use_launcher=True)
     one, many = (sampling.read_samples(tmp_path / name, 6).astype(int) for name in ("one", "launched"))

@@ -82,7 +82,8 @@ def test_exact_resume_in_a_new_process(tiny_model_flags, tmp_path, npz_data):
     assert losses(split) == losses(straight)
 
 
-def test_sigterm_saves_a_loadable_checkpoint(tiny_model_flags, tmp_path, npz_data):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_saves_a_loadable_checkpoint_then_exits_128_plus_it(tiny_model_flags, tmp_path, npz_data, signum):
     logdir = tmp_path / "run"
     args = ["--dataset=npz", f"--data_path={npz_data}", *tiny_model_flags, "--batch_size=8",
             "--total_steps=100000", "--sample_every=0", "--save_every=0", "--log_every=1", f"--logdir={logdir}"]
@@ -93,13 +94,14 @@ def test_sigterm_saves_a_loadable_checkpoint(tiny_model_flags, tmp_path, npz_dat
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
         assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "timeout"
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 0, stderr
-    assert "stopped by signal" in stderr
+    assert proc.returncode == 128 + signum, stderr  # so that `train && sample` stops here
+    line = stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: stopped by {signum.name} at step ") and line.endswith("continue with --resume")
     [path] = list_checkpoints(str(logdir))
     ckpt = load_checkpoint(path)
-    assert 2 <= ckpt["step"] < 100000
+    assert 2 <= ckpt["step"] < 100000 and f"at step {ckpt['step']};" in line
     assert path.endswith(f"ckpt_{ckpt['step']:07d}.pkl")
 
 
@@ -131,3 +133,25 @@ def test_fresh_run_refuses_a_logdir_with_checkpoints(tiny_model_flags, tmp_path,
     assert train(*common).returncode == 0
     result = train(*common)
     assert result.returncode == 2 and "pass --resume" in error_lines(result.stderr)[0]
+
+
+def test_two_trainings_on_one_logdir_the_second_is_refused(tiny_model_flags, tmp_path, npz_data):
+    logdir = tmp_path / "run"
+    args = ["--dataset=npz", f"--data_path={npz_data}", *tiny_model_flags, "--batch_size=8", "--total_steps=100000",
+            "--sample_every=0", "--save_every=0", "--log_every=1", f"--logdir={logdir}"]
+    first = subprocess.Popen([sys.executable, "-m", "megdiffusion.scripts.train", *args], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (logdir / "metrics.jsonl").is_file():
+        assert first.poll() is None and time.time() < deadline
+        time.sleep(0.2)
+    for extra in ([], ["--resume"]):
+        second = train(*args, *extra)
+        assert second.returncode == 2, second.stderr
+        assert error_lines(second.stderr) == [f"error: --logdir {logdir} is in use by another megdiffusion command; "
+                                              "wait for it to end or choose another --logdir"]
+    first.send_signal(signal.SIGINT)
+    _, stderr = first.communicate(timeout=120)
+    assert first.returncode == 130, stderr
+    steps = [json.loads(line)["step"] for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1))  # one run's steps, not two interleaved

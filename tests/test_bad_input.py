@@ -1,0 +1,211 @@
+"""Bad input to train, sample, fid and the demo, tried as a hostile new user would (issue 17): every case
+ends with exit code 2, one ``error:`` line that names the problem, no traceback, and every file as it was
+(the case's directory, the shared files it reads, and an empty HOME)."""
+import hashlib
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megdiffusion.compat import cuda_driver_loadable
+from megdiffusion.images import save_png
+from megdiffusion.training.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Payload:
+    """Unpickling this runs ``open('pwned', 'w')`` in the working directory: a crafted checkpoint."""
+
+    def __reduce__(self):
+        return exec, ("open('pwned', 'w').write('ran')",)
+
+
+@pytest.fixture(scope="session")
+def shared(tmp_path_factory, tiny_config, tiny_images):
+    """The files the cases read: one tiny trained run (made once), its samples, and damaged or crafted
+    checkpoints, images, npz files and directories. Each case runs in its own copy."""
+    from megdiffusion import sampling
+    from megdiffusion.training.trainer import train
+
+    root = tmp_path_factory.mktemp("bad_input")
+    np.savez(root / "data.npz", arr_0=tiny_images(16))
+    cfg = tiny_config(total_steps=2, dataset="npz", data_path=str(root / "data.npz"), logdir=str(root / "run"))
+    train(cfg, tiny_images(16), progress=False)
+    sampling.run_job(sampling.SampleJob(str(root / "run"), str(root / "samples"), 2, sampler="ddim", steps=2,
+                                        progress=False))
+    shutil.copytree(root / "samples", root / "samples_truncated")
+    png = (root / "samples_truncated" / "000001.png").read_bytes()
+    (root / "samples_truncated" / "000001.png").write_bytes(png[: len(png) // 2])
+    (root / "manifest_list").mkdir()
+    (root / "manifest_list" / "manifest.json").write_text("[]\n")
+
+    state = load_checkpoint(checkpoint_path(str(root / "run"), 2))
+    crafted = {"evil.pkl": {**state, "config": Payload()},
+               "mismatch.pkl": {**state, "config": {**state["config"], "model_channels": 16, "norm_groups": 4}},
+               "bad_config.pkl": {**state, "config": {**state["config"], "image_size": -4}},
+               "nan_config.pkl": {**state, "config": {**state["config"], "lr": float("nan")}},
+               "text_weights.pkl": {**state, "ema": {name: "abc" for name in state["ema"]}},
+               "a_list.pkl": [1, 2, 3]}
+    for name, obj in crafted.items():
+        save_checkpoint(str(root / name), obj)
+    (root / "garbage.pkl").write_bytes(b"\x80\x04garbage")
+    (root / "cifar_evil").mkdir()
+    for i in range(1, 6):
+        with open(root / "cifar_evil" / f"data_batch_{i}", "wb") as f:
+            pickle.dump({b"data": Payload()}, f, protocol=2)
+
+    np.savez(root / "mu_only.npz", mu=np.zeros(2048))
+    np.save(root / "array.npy", tiny_images(4))
+    os.rename(root / "array.npy", root / "array.npz")
+    (root / "broken.npz").write_bytes(b"PK\x03\x04broken")
+    (root / "images").mkdir()
+    for i in range(3):
+        save_png(root / "images" / f"{i}.png", tiny_images(3)[i])
+    (root / "images_broken").mkdir()
+    (root / "images_broken" / "a.png").write_bytes(b"not an image")
+    (root / "empty").mkdir()
+    (root / "folder.npz").mkdir()
+    (root / "notours").mkdir()
+    (root / "notours" / "thesis.tex").write_text("keep me")
+    (root / "afile.txt").write_text("keep me")
+    return root
+
+
+TRAIN = ["--dataset=npz", "--data_path=data.npz", "--model_channels=32", "--channel_mult=1", "--norm_groups=8",
+         "--num_res_blocks=1", "--attention_resolutions=", "--num_timesteps=40", "--batch_size=8", "--total_steps=1",
+         "--sample_every=0"]
+SAMPLE = ["--ckpt=run", "--output=out", "--num_images=2", "--batch_size=2", "--sampler=ddim", "--steps=2"]
+DEMO = ["--output=out", "--minutes=0.01", "--num_images=2", "--num_reference=2", "--steps=2"]
+
+# (id, script, arguments, what the error line says). Later flags override earlier ones; {shared} is the shared
+# directory (its samples' manifests name the shared run). Ids marked "17:" are the cases issue 17 reported broken.
+CASES = [
+    # train
+    ("17:resume-other-recipe", "train", ["--flagfile=run/flags.cfg", "--logdir=run", "--resume", "--model_channels=64"],
+     "was trained with different model_channels; use the run's flags.cfg"),
+    ("17:lr-nan", "train", [*TRAIN, "--logdir=new", "--lr=nan"], "--lr must be a finite number, got nan"),
+    ("17:lr-inf", "train", [*TRAIN, "--logdir=new", "--lr=inf"], "--lr must be a finite number, got inf"),
+    ("lr-overflow", "train", [*TRAIN, "--logdir=new", "--lr=1e400"], "--lr must be a finite number, got inf"),
+    ("17:grad-clip-nan", "train", [*TRAIN, "--logdir=new", "--grad_clip=nan"], "--grad_clip must be a finite number"),
+    ("17:logdir-proc", "train", [*TRAIN, "--logdir=/proc/x"], "--logdir /proc/x cannot be written"),
+    ("17:logdir-file", "train", [*TRAIN, "--logdir=afile.txt"], "--logdir afile.txt is a file"),
+    ("logdir-under-file", "train", [*TRAIN, "--logdir=afile.txt/sub"], "afile.txt is a file"),
+    ("17:missing-flagfile", "train", ["--flagfile=nope.cfg"], "error: Unable to open flagfile: [Errno 2]"),
+    ("logdir-empty", "train", [*TRAIN, "--logdir="], "--logdir is empty; give a path"),
+    ("logdir-with-checkpoints", "train", [*TRAIN, "--logdir=run"], "already holds checkpoints; pass --resume"),
+    ("logdir-of-other-files", "train", [*TRAIN, "--logdir=notours"], "notours holds files that megdiffusion did not"),
+    ("unknown-dataset", "train", [*TRAIN, "--dataset=imagenet"], "--dataset=imagenet: value should be one of"),
+    ("missing-data", "train", [*TRAIN, "--data_path=nope.npz"], "data path nope.npz does not exist"),
+    ("npz-without-images", "train", [*TRAIN, "--data_path=mu_only.npz"], "has no 'arr_0' array (expected uint8 NHWC"
+     " images; it holds: mu)"),
+    ("npy-named-npz", "train", [*TRAIN, "--data_path=array.npz"], "holds a single .npy array, not an npz archive"),
+    ("damaged-npz", "train", [*TRAIN, "--data_path=broken.npz"], "cannot read broken.npz as an npz archive"),
+    ("unreadable-image", "train", [*TRAIN, "--dataset=folder", "--data_path=images_broken", "--image_size=8"],
+     "cannot read image images_broken/a.png"),
+    ("empty-folder", "train", [*TRAIN, "--dataset=folder", "--data_path=empty", "--image_size=8"], "no images"),
+    ("crafted-cifar-batch", "train", [*TRAIN, "--dataset=cifar10", "--data_path=cifar_evil"],
+     "refusing to load __builtin__.exec"),
+    ("batch-not-a-number", "train", [*TRAIN, "--batch_size=abc"], "--batch_size=abc"),
+    ("batch-zero", "train", [*TRAIN, "--batch_size=0"], "--batch_size must be >= 1, got 0"),
+    ("dropout-one", "train", [*TRAIN, "--dropout=1"], "--dropout must be >= 0 and < 1, got 1"),
+    ("negative-time-limit", "train", [*TRAIN, "--time_limit_minutes=-1"], "--time_limit_minutes must be >= 0"),
+    ("channel-mult-letters", "train", [*TRAIN, "--channel_mult=a,b"], "needs comma-separated integers"),
+    ("attention-never-occurs", "train", [*TRAIN, "--attention_resolutions=16"], "never occur"),
+    ("norm-groups-misfit", "train", [*TRAIN, "--norm_groups=5"], "bad model flags"),
+    ("sample-steps-over-T", "train", [*TRAIN, "--sample_every=1", "--sample_steps=41"], "--sample_steps"),
+    ("batch-over-dataset", "train", [*TRAIN, "--batch_size=32"], "fewer than --batch_size 32"),
+    ("two-gpus", "train", [*TRAIN, "--logdir=new", "--num_gpus=2"], "--num_gpus 2 needs CUDA GPUs"),
+    ("positional", "train", [*TRAIN, "extra"], "unexpected arguments ['extra']"),
+    # sample
+    ("17:eta-negative", "sample", [*SAMPLE, "--eta=-1"], "eta must be a finite number >= 0"),
+    ("17:eta-nan", "sample", [*SAMPLE, "--eta=nan"], "--eta must be a finite number, got nan"),
+    ("17:output-proc", "sample", [*SAMPLE, "--output=/proc/x"], "--output /proc/x cannot be written"),
+    ("17:output-under-file", "sample", [*SAMPLE, "--output=afile.txt/sub"], "afile.txt is a file"),
+    ("17:truncated-image", "sample", [*SAMPLE, "--ckpt={shared}/run", "--output={shared}/samples_truncated"],
+     "cannot read image {shared}/samples_truncated/000001.png"),
+    ("17:config-does-not-fit-weights", "sample", [*SAMPLE, "--ckpt=mismatch.pkl"],
+     "mismatch.pkl: its weights do not fit the network of its config"),
+    ("17:invalid-stored-config", "sample", [*SAMPLE, "--ckpt=bad_config.pkl"],
+     "bad_config.pkl holds an unusable config: --image_size must be >= 1, got -4"),
+    ("nan-stored-config", "sample", [*SAMPLE, "--ckpt=nan_config.pkl"], "--lr must be a finite number, got nan"),
+    ("17:crafted-checkpoint", "sample", [*SAMPLE, "--ckpt=evil.pkl"], "refusing to load builtins.exec"),
+    ("weights-of-text", "sample", [*SAMPLE, "--ckpt=text_weights.pkl"], "is str, the network's float32"),
+    ("not-a-checkpoint", "sample", [*SAMPLE, "--ckpt=a_list.pkl"], "is not a megdiffusion training checkpoint"),
+    ("garbage-checkpoint", "sample", [*SAMPLE, "--ckpt=garbage.pkl"], "cannot read checkpoint garbage.pkl"),
+    ("missing-checkpoint", "sample", [*SAMPLE, "--ckpt=nope.pkl"], "no checkpoint file at nope.pkl"),
+    ("logdir-without-checkpoints", "sample", [*SAMPLE, "--ckpt=empty"], "no checkpoints in empty"),
+    ("output-file", "sample", [*SAMPLE, "--output=afile.txt"], "--output afile.txt is a file"),
+    ("output-of-other-files", "sample", [*SAMPLE, "--output=notours"], "holds files that megdiffusion did not write"),
+    ("output-of-other-settings", "sample", [*SAMPLE, "--ckpt={shared}/run", "--output={shared}/samples",
+                                            "--seed=1"],
+     "holds images made with other settings (seed: 0 -> 1)"),
+    ("manifest-not-a-dict", "sample", [*SAMPLE, "--output=manifest_list"], "manifest.json is unreadable"),
+    ("unknown-sampler", "sample", [*SAMPLE, "--sampler=euler"], "--sampler=euler: value should be one of"),
+    ("steps-over-T", "sample", [*SAMPLE, "--steps=41"], "between 1 and T=40"),
+    ("eta-with-ddpm", "sample", [*SAMPLE, "--sampler=ddpm", "--eta=0.5"], "only used by the ddim sampler"),
+    ("zero-images", "sample", [*SAMPLE, "--num_images=0"], "must be positive"),
+    ("no-ckpt", "sample", ["--output=out"], "--ckpt and --output are required"),
+    ("two-gpus", "sample", [*SAMPLE, "--num_gpus=2"], "--num_gpus 2 needs CUDA GPUs"),
+    ("positional", "sample", [*SAMPLE, "extra"], "unexpected arguments"),
+    # fid
+    ("17:stats-out-proc", "fid", ["--save_stats", "images", "/proc/s.npz"], "OUT.npz /proc/s.npz cannot be written"),
+    ("stats-out-under-file", "fid", ["--save_stats", "images", "afile.txt/s.npz"], "afile.txt is a file"),
+    ("stats-out-directory", "fid", ["--save_stats", "images", "folder.npz"], "OUT.npz folder.npz is a directory"),
+    ("stats-out-not-npz", "fid", ["--save_stats", "images", "out.txt"], "must end in .npz"),
+    ("17:mu-without-sigma", "fid", ["mu_only.npz", "fashion_mnist"], "mu_only.npz has no 'sigma' array (it holds: mu)"),
+    ("npy-named-npz", "fid", ["array.npz", "fashion_mnist"], "holds a single .npy array"),
+    ("damaged-npz", "fid", ["broken.npz", "fashion_mnist"], "cannot read broken.npz as an npz archive"),
+    ("missing-source", "fid", ["nope", "fashion_mnist"], "'nope' is not a directory of images"),
+    ("empty-folder", "fid", ["empty", "fashion_mnist"], "no images"),
+    ("three-paths", "fid", ["a", "b", "c"], "expected two arguments, PATH_A PATH_B; got 3"),
+    ("one-image", "fid", ["--num_images=1", "images", "images"], "--num_images >= 2"),
+    ("batch-zero", "fid", ["--batch_size=0", "images", "images"], "--batch_size must be >= 1"),
+    ("ckpt-without-count", "fid", ["--ckpt=run", "images"], "--ckpt needs --num_images"),
+    ("crafted-checkpoint", "fid", ["--ckpt=evil.pkl", "--num_images=2", "images"], "refusing to load builtins.exec"),
+    ("eta-inf", "fid", ["--ckpt=run", "--num_images=2", "--eta=inf", "images"], "--eta must be a finite number"),
+    # demo
+    ("17:minutes-nan", "demo", [*DEMO, "--minutes=nan"], "--minutes must be a finite number, got nan"),
+    ("minutes-zero", "demo", [*DEMO, "--minutes=0"], "--minutes must be > 0"),
+    ("missing-config", "demo", [*DEMO, "--config=nope.cfg"], "Unable to open flagfile"),
+    ("steps-over-T", "demo", [*DEMO, "--steps=1001"], "between 1 and T=1000"),
+    ("output-of-other-files", "demo", [*DEMO, "--output=notours"], "holds files that megdiffusion did not write"),
+    ("output-file", "demo", [*DEMO, "--output=afile.txt"], "--output afile.txt is a file"),
+    ("output-proc", "demo", [*DEMO, "--output=/proc/x"], "--output /proc/x cannot be written"),
+    ("output-empty", "demo", [*DEMO, "--output="], "--output is empty; give a path"),
+    ("positional", "demo", [*DEMO, "extra"], "unexpected arguments"),
+]
+
+
+def tree(root):
+    """Every file and directory under ``root``: relative path -> content hash (None for a directory)."""
+    found = {}
+    for path in sorted(Path(root).rglob("*")):
+        found[str(path.relative_to(root))] = None if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+@pytest.mark.parametrize("case, script, args, message", CASES, ids=[f"{c[1]}:{c[0]}" for c in CASES])
+def test_bad_input_is_one_error_line_exit_2_and_changes_no_file(shared, tmp_path, case, script, args, message):
+    if "gpus" in case and cuda_driver_loadable():
+        pytest.skip("a machine with a CUDA driver may have 2 GPUs")
+    workdir = tmp_path / "case"
+    shutil.copytree(shared, workdir, ignore=shutil.ignore_patterns("samples*"))
+    (workdir / "home").mkdir()
+    before, shared_before = tree(workdir), tree(shared)
+    env = {**os.environ, "HOME": str(workdir / "home"), "PYTHONPATH": str(REPO)}
+    env.pop("XDG_CACHE_HOME", None)
+    args = [arg.replace("{shared}", str(shared)) for arg in args]
+    message = message.replace("{shared}", str(shared))
+    result = subprocess.run([sys.executable, "-m", f"megdiffusion.scripts.{script}", *args], cwd=workdir, env=env,
+                            capture_output=True, text=True, timeout=300)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+    assert "Traceback" not in result.stderr + result.stdout and "ERROR::" not in lines[0]
+    assert tree(workdir) == before and tree(shared) == shared_before

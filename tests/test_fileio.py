@@ -1,0 +1,50 @@
+"""Output directories: checked before anything is written, locked while a command writes in them."""
+import pytest
+
+from megdiffusion.fileio import OutputError, atomic_write, check_writable, output_directory, write_text
+
+
+def test_a_locked_directory_refuses_a_second_holder_until_released(tmp_path):
+    out = tmp_path / "run"
+    with output_directory(str(out), "--logdir", "flags.cfg"):
+        with pytest.raises(OutputError, match=f"^--logdir {out} is in use by another megdiffusion command"):
+            with output_directory(str(out), "--logdir", "flags.cfg"):
+                pass
+        (out / "flags.cfg").write_text("mine")
+    with output_directory(str(out), "--logdir", "flags.cfg"):  # released, and the marker says it is ours
+        pass
+    assert [p.name for p in out.iterdir()] == ["flags.cfg"]
+
+
+def test_a_directory_of_other_files_is_refused_and_left_alone(tmp_path):
+    (tmp_path / "thesis.tex").write_text("keep")
+    with pytest.raises(OutputError, match="holds files that megdiffusion did not write \\(no demo.json\\)"):
+        with output_directory(str(tmp_path), "--output", "demo.json"):
+            pass
+    assert [p.name for p in tmp_path.iterdir()] == ["thesis.tex"]
+
+
+def test_check_writable_probes_without_leaving_anything(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    check_writable(str(tmp_path / "new" / "deeper"), "--output")
+    check_writable(str(tmp_path / "new" / "stats.npz"), "OUT", directory=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]
+    for path, directory, message in ((tmp_path / "afile", True, "is a file; give a directory"),
+                                     (tmp_path, False, "is a directory; give a file name"),
+                                     (tmp_path / "afile" / "sub", True, "cannot be made: .*afile is a file"),
+                                     ("/proc/new", True, "cannot be written \\(.* in /proc\\)")):
+        with pytest.raises(OutputError, match=message):
+            check_writable(str(path), "--output", directory)
+
+
+def test_a_failed_atomic_write_names_its_target_and_leaves_nothing(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(OSError) as info:
+        write_text(str(tmp_path / "afile" / "out.json"), "{}")  # a directory that cannot be made
+    assert info.value.filename == str(tmp_path / "afile" / "out.json") and "cannot write" in info.value.strerror
+    with pytest.raises(OSError) as info:
+        with atomic_write(str(tmp_path / "out.bin")) as f:
+            f.write(b"half")
+            raise OSError(28, "No space left on device")
+    assert info.value.filename == str(tmp_path / "out.bin") and info.value.strerror.endswith("No space left on device")
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]
