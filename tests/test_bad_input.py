@@ -1,4 +1,4 @@
-"""Bad input to train, sample, fid and the demo, tried as a hostile new user would (issue 17): every case
+"""Bad input to train, sample, fid, convert and the demo, tried as a hostile new user would (issue 17): every case
 ends with exit code 2, one ``error:`` line that names the problem, no traceback, and every file as it was
 (the case's directory, the shared files it reads, and an empty HOME)."""
 import hashlib
@@ -169,6 +169,13 @@ CASES = [
     ("ckpt-without-count", "fid", ["--ckpt=run", "images"], "--ckpt needs --num_images"),
     ("crafted-checkpoint", "fid", ["--ckpt=evil.pkl", "--num_images=2", "images"], "refusing to load builtins.exec"),
     ("eta-inf", "fid", ["--ckpt=run", "--num_images=2", "--eta=inf", "images"], "--eta must be a finite number"),
+    # convert
+    ("two-paths-needed", "convert", ["run"], "expected two arguments, SRC OUT; got 1"),
+    ("missing-source", "convert", ["nope.pt", "out.pkl"], "no file or directory nope.pt"),
+    ("crafted-source", "convert", ["evil.pkl", "out.pkl"], "refusing to load builtins.exec"),
+    ("out-exists", "convert", ["run", "afile.txt"], "afile.txt exists; give a new path"),
+    ("out-proc", "convert", ["run", "/proc/x.pkl"], "OUT /proc/x.pkl cannot be written"),
+    ("out-under-file", "convert", ["run", "afile.txt/x.pkl"], "afile.txt is a file"),
     # demo
     ("17:minutes-nan", "demo", [*DEMO, "--minutes=nan"], "--minutes must be a finite number, got nan"),
     ("minutes-zero", "demo", [*DEMO, "--minutes=0"], "--minutes must be > 0"),
