@@ -76,7 +76,7 @@ def read_npz(path):
 def check_writable(path, flag, directory=True):
     """``OutputError`` unless ``path`` (a directory, or with ``directory=False`` a file) can be created or
     written: its nearest existing ancestor must be a directory in which a file can be made (a probe file,
-    removed at once). Names ``flag`` (the option that gave the path) in the message."""
+    removed at once). Names ``flag`` (the option that gave the path) in the message; returns that ancestor."""
     if not str(path):
         raise OutputError(f"{flag} is empty; give a path")
     full = os.path.abspath(path)
@@ -95,14 +95,16 @@ def check_writable(path, flag, directory=True):
     except OSError as err:
         raise OutputError(f"{flag} {path} cannot be written ({err.strerror} in {existing}); "
                           f"choose another {flag}") from None
+    return existing
 
 
 @contextlib.contextmanager
 def output_directory(path, flag, marker):
     """Hold directory ``path`` for one command's writes: ``check_writable``, create it, and lock it against
     other processes for the block (``OutputError`` if one holds it). A directory that already holds files
-    but not ``marker`` (the file the command writes there first) is refused: it belongs to something else."""
-    check_writable(path, flag)
+    but not ``marker`` (the file the command writes there first) is refused: it belongs to something else.
+    Directories it created are removed again when the block fails before writing in them."""
+    existing = check_writable(path, flag)
     os.makedirs(path, exist_ok=True)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -115,5 +117,19 @@ def output_directory(path, flag, marker):
             raise OutputError(f"{flag} {path} holds files that megdiffusion did not write (no {marker}); "
                               f"choose a new or empty {flag}")
         yield
+    except BaseException:
+        _remove_empty_directories(path, existing)  # a check in the block failed: leave no trace
+        raise
     finally:
         os.close(fd)  # releases the lock
+
+
+def _remove_empty_directories(path, stop):
+    """Remove ``path`` and its parents below ``stop`` while they are empty."""
+    path = os.path.abspath(path)
+    while path != stop:
+        try:
+            os.rmdir(path)
+        except OSError:  # not empty (or not ours to remove)
+            return
+        path = os.path.dirname(path)

@@ -16,6 +16,18 @@ def test_a_locked_directory_refuses_a_second_holder_until_released(tmp_path):
     assert [p.name for p in out.iterdir()] == ["flags.cfg"]
 
 
+def test_directories_made_for_a_command_that_fails_before_writing_are_removed(tmp_path):
+    with pytest.raises(ValueError):
+        with output_directory(str(tmp_path / "new" / "deeper" / "run"), "--logdir", "flags.cfg"):
+            raise ValueError("a check under the lock failed")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError):
+        with output_directory(str(tmp_path / "run"), "--logdir", "flags.cfg"):
+            (tmp_path / "run" / "flags.cfg").write_text("written")
+            raise ValueError("a later failure")
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["flags.cfg"]  # what was written stays
+
+
 def test_a_directory_of_other_files_is_refused_and_left_alone(tmp_path):
     (tmp_path / "thesis.tex").write_text("keep")
     with pytest.raises(OutputError, match="holds files that megdiffusion did not write \\(no demo.json\\)"):
