@@ -16,9 +16,9 @@ one thread (``megdiffusion.batch_threads``): the im2col copies run in parallel t
 matmuls are the same whatever the chunking, so results are bit-identical on any core count. Outputs
 and gradients equal MegEngine's up to float32 rounding (tests: 1e-5 relative).
 
-Training and eval mode (sampling) alike take the fast path. The ``.numpy()`` calls here used to crash
-MegEngine's interpreter now and then (``insert_candidate: got wrong candidate index``, then "an input
-tensor is unusable due to previous error"), which had kept eval mode on MegEngine's forward for a while:
+Only modules in training mode take the fast path; in eval mode (sampling, the EMA model) the forward is
+MegEngine's own kernel. The ``.numpy()`` calls here used to crash MegEngine's interpreter now and then
+(``insert_candidate: got wrong candidate index``; "an input tensor is unusable due to previous error"):
 a race inside MegEngine between ``Tensor.numpy()`` and its worker thread on the DTR candidate list, which
 ``import megdiffusion`` keeps empty (``megdiffusion.compat.empty_dtr_candidates``).
 
@@ -206,7 +206,9 @@ class Conv2d(M.Conv2d):
 
     def forward(self, inp):
         # jit.trace cannot record a Function computed in numpy: traced code uses native kernels.
-        if is_tracing() or not (fast_conv_enabled() and self._fast_path_supported(inp)):
+        # Eval mode (sampling) keeps MegEngine's forward: see the module docstring.
+        if (is_tracing() or not self.training
+                or not (fast_conv_enabled() and self._fast_path_supported(inp))):
             return self.calc_conv(inp, self.weight, self.bias)
         function = _FastConv2d(tuple(self.stride), tuple(self.padding))
         if self.bias is None:
