@@ -14,7 +14,7 @@ from megengine.autodiff import GradManager  # noqa: E402
 from megengine.optimizer import Adam  # noqa: E402
 
 from megdiffusion.diffusion import GaussianDiffusion, make_beta_schedule  # noqa: E402
-from megdiffusion.diffusion.samplers import timestep_subsequence  # noqa: E402
+from megdiffusion.diffusion.spacing import timestep_subsequence  # noqa: E402
 from megdiffusion.nn.layers import timestep_embedding  # noqa: E402
 
 
@@ -64,7 +64,7 @@ def test_bad_diffusion_arguments_raise():
     with pytest.raises(ValueError, match="mean_type"):
         GaussianDiffusion(betas, mean_type="v")
     with pytest.raises(ValueError, match="var_type"):
-        GaussianDiffusion(betas, var_type="learned")
+        GaussianDiffusion(betas, var_type="learnt")
     with pytest.raises(ValueError, match="between 0 and 1"):
         GaussianDiffusion(np.append(betas, 1.0))
 
@@ -159,10 +159,10 @@ def test_mean_types_agree_with_an_exact_model(t):
         d = GaussianDiffusion(betas, mean_type=mean_type)
         model = exact_model(d, mean_type, x0, noise)
         xt = d.q_sample(tensor(x0), ts, tensor(noise))
-        pred_x0, _ = d.model_predictions(model, xt, ts, clip_denoised=False)
-        np.testing.assert_allclose(pred_x0.numpy(), x0, atol=5e-3 if t == 999 else 5e-4)
-        means.append(d.q_posterior_mean(pred_x0, xt, ts).numpy())
-        losses.append(d.training_loss(model, tensor(x0), ts, tensor(noise)).numpy())
+        p = d.p_mean_variance(d.run_model(model, xt, ts), xt, ts, clip_denoised=False)
+        np.testing.assert_allclose(p["pred_xstart"].numpy(), x0, atol=5e-3 if t == 999 else 5e-4)
+        means.append(p["mean"].numpy())
+        losses.append(d.training_losses(model, tensor(x0), ts, tensor(noise))["loss"].numpy())
     np.testing.assert_allclose(means[1], means[0], atol=5e-4)
     np.testing.assert_allclose(means[2], means[0], atol=5e-4)
     for loss in losses:
@@ -173,14 +173,14 @@ def test_training_loss_is_per_sample_mse():
     d = GaussianDiffusion(make_beta_schedule("linear", 100))
     rng = np.random.default_rng(0)
     noise = rng.standard_normal((3, 2, 4, 4))
-    loss = d.training_loss(lambda x, t: x * 0, tensor(rng.uniform(-1, 1, (3, 2, 4, 4))), None, tensor(noise))
+    loss = d.training_losses(lambda x, t: x * 0, tensor(rng.uniform(-1, 1, (3, 2, 4, 4))), None, tensor(noise))["loss"]
     np.testing.assert_allclose(loss.numpy(), (noise ** 2).reshape(3, -1).mean(axis=1), rtol=1e-5)
 
 
 def test_training_loss_draws_timesteps_in_range():
     d = GaussianDiffusion(make_beta_schedule("linear", 100))
     seen = []
-    d.training_loss(lambda x, t: seen.append(t.numpy()) or x, tensor(np.zeros((500, 1))))
+    d.training_losses(lambda x, t: seen.append(t.numpy()) or x, tensor(np.zeros((500, 1))))
     seen = seen[0]
     assert seen.dtype == np.int32 and seen.min() >= 0 and seen.max() <= 99 and len(set(seen)) > 50
 
@@ -388,7 +388,7 @@ def test_mlp_learns_a_mixture_of_8_gaussians():
         # uniform t would spend half the batch where x_t is nearly pure noise.
         t = (1000 * rng.random(batch) ** 1.5).astype(np.int32)
         with gm:
-            loss = d.training_loss(model, tensor(x0), t, tensor(rng.standard_normal((batch, 2)))).mean()
+            loss = d.training_losses(model, tensor(x0), t, tensor(rng.standard_normal((batch, 2))))["loss"].mean()
             gm.backward(loss)
         opt.step().clear_grad()
         for group in opt.param_groups:

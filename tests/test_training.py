@@ -29,7 +29,7 @@ def fixed_loss(trainer, x0):
     t = rng.integers(0, trainer.diffusion.num_timesteps, size=len(x0)).astype(np.int32)
     noise = rng.standard_normal(x0.shape, dtype=np.float32)
     trainer.model.eval()
-    loss = trainer.diffusion.training_loss(trainer.model, mge.tensor(x0), mge.tensor(t), mge.tensor(noise))
+    loss = trainer.diffusion.training_losses(trainer.model, mge.tensor(x0), mge.tensor(t), mge.tensor(noise))["loss"]
     return float(loss.mean())
 
 

@@ -1,5 +1,12 @@
 """The names the diffusion code accepts. Imports no MegEngine: the training config offers them as flag choices."""
 
 MEAN_TYPES = ("eps", "xstart", "xprev")  # what the model predicts: the noise, x_0 or the mean of x_{t-1}
-VAR_TYPES = ("fixedlarge", "fixedsmall")  # sampling variance: beta_t or the posterior variance
+# Reverse-process variance: beta_t, the posterior variance, or learned by the model from a second set of output
+# channels v: "learned_range" interpolates log beta_t and the clipped log posterior variance with (v + 1) / 2
+# (Nichol & Dhariwal), "learned" takes v as the log variance itself.
+VAR_TYPES = ("fixedlarge", "fixedsmall", "learned_range", "learned")
+LEARNED_VAR_TYPES = ("learned_range", "learned")
+# "mse": L_simple, plus the vb term unweighted for a learned variance (improved-diffusion's MSE, i.e. its
+# rescale_learned_sigmas=False); "hybrid": L_simple + vb * T / 1000, i.e. L_simple + 0.001 L_vlb (its RESCALED_MSE).
+LOSS_TYPES = ("mse", "hybrid")
 SAMPLERS = ("ddpm", "ddim")  # ancestral sampling and DDIM (``samplers.py``)

@@ -1,8 +1,12 @@
-"""Gaussian diffusion (Ho et al. 2020): forward process, posterior, model predictions, training loss.
+"""Gaussian diffusion (Ho et al. 2020; Nichol & Dhariwal 2021): forward process, posterior, the model's mean and
+variance, training losses, the variational bound in bits per dimension, and the single reverse steps.
 
-Timesteps t are integers 0..T-1 (t = 0 is the first noising step). Tensors are NCHW (or any (N, ...)).
-The schedule arrays are float64 numpy, computed once; the ones needed per sample are moved to float32
-tensors once, in ``__init__``. The model is passed to each call, never stored.
+Timesteps t are integer indices 0..n-1 into this chain (t = 0 is the first noising step). A chain can be a
+respaced subsequence of an original one (``respace``): it keeps the original timestep of each index in
+``timestep_map``, and the model always receives that original timestep (times 1000 / original T with
+``rescale_timesteps``, improved-diffusion's convention). Tensors are NCHW (or any (N, ...)). The schedule arrays
+are float64 numpy, computed once; the ones needed per sample are moved to float32 tensors once, in ``__init__``.
+The model is passed to each call, never stored.
 """
 import math
 
@@ -13,59 +17,91 @@ import megengine.functional as F
 from megengine import Tensor
 
 from megdiffusion.diffusion import samplers
-from megdiffusion.diffusion.choices import MEAN_TYPES, SAMPLERS, VAR_TYPES
+from megdiffusion.diffusion.choices import LEARNED_VAR_TYPES, LOSS_TYPES, MEAN_TYPES, SAMPLERS, VAR_TYPES
+from megdiffusion.diffusion.losses import discretized_gaussian_log_likelihood, mean_flat, normal_kl
+from megdiffusion.diffusion.spacing import sampling_timesteps
 
 # Arrays gathered per sample at timestep t (moved to float32 tensors once).
 _PER_SAMPLE = (
+    "log_betas",
+    "alphas_cumprod",
+    "alphas_cumprod_prev",
+    "alphas_cumprod_next",
     "sqrt_alphas_cumprod",
     "sqrt_one_minus_alphas_cumprod",
+    "log_one_minus_alphas_cumprod",
     "sqrt_recip_alphas_cumprod",
     "sqrt_recipm1_alphas_cumprod",
+    "posterior_variance",
+    "posterior_log_variance_clipped",
     "posterior_mean_coef1",
     "posterior_mean_coef2",
 )
+_LN2 = math.log(2.0)
 
 
 def _as_timesteps(t):
     return t.astype("int32") if isinstance(t, Tensor) else Tensor(np.asarray(t), dtype="int32")
 
 
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+
+
 class GaussianDiffusion:
-    """The DDPM forward process q(x_t | x_0) and the reverse-process arithmetic around a model.
+    """The forward process q(x_t | x_0) and the reverse-process arithmetic around a model.
 
     :param betas: 1-D float array of the forward-process variances, each in (0, 1).
     :param mean_type: "eps" (the paper's choice), "xstart" or "xprev": what ``model(x_t, t)`` predicts.
     :param var_type: "fixedlarge" (beta_t, with the posterior variance at t = 0, the official CIFAR-10
-        choice) or "fixedsmall" (the posterior variance, clipped at t = 0).
+        choice), "fixedsmall" (the posterior variance, clipped at t = 0), or learned from the model's second
+        half of output channels v: "learned_range" (log variance frac log beta_t + (1 - frac) log posterior
+        variance (clipped), frac = (v + 1) / 2, v unclamped) or "learned" (v is the log variance).
+    :param loss_type: "mse" or "hybrid" (``choices.LOSS_TYPES``); "hybrid" needs a learned variance.
+    :param rescale_timesteps: the model receives t * 1000 / original T (a float) instead of t.
+    :param timestep_map: the original timestep of each index (default: the identity); ``respace`` sets it.
+    :param original_num_steps: T of the original chain (default: len(betas)).
     """
 
-    def __init__(self, betas, mean_type="eps", var_type="fixedlarge"):
+    def __init__(self, betas, mean_type="eps", var_type="fixedlarge", loss_type="mse", rescale_timesteps=False,
+                 timestep_map=None, original_num_steps=None):
         betas = np.asarray(betas, dtype=np.float64)
-        if betas.ndim != 1 or len(betas) < 2:
-            raise ValueError(f"betas must be a 1-D array of at least 2 values, got shape {betas.shape}")
+        if betas.ndim != 1 or len(betas) < 1:
+            raise ValueError(f"betas must be a non-empty 1-D array, got shape {betas.shape}")
         if not ((betas > 0) & (betas < 1)).all():
             raise ValueError("betas must all lie strictly between 0 and 1")
-        if mean_type not in MEAN_TYPES:
-            raise ValueError(f"unknown mean_type {mean_type!r}; choose one of {', '.join(MEAN_TYPES)}")
-        if var_type not in VAR_TYPES:
-            raise ValueError(f"unknown var_type {var_type!r}; choose one of {', '.join(VAR_TYPES)}")
-        self.mean_type = mean_type
-        self.var_type = var_type
+        _check_choice("mean_type", mean_type, MEAN_TYPES)
+        _check_choice("var_type", var_type, VAR_TYPES)
+        _check_choice("loss_type", loss_type, LOSS_TYPES)
+        if loss_type == "hybrid" and var_type not in LEARNED_VAR_TYPES:
+            raise ValueError(f"loss_type 'hybrid' weights the vb term that trains a learned variance; var_type "
+                             f"{var_type!r} learns none (use {' or '.join(LEARNED_VAR_TYPES)}, or loss_type 'mse')")
+        self.mean_type, self.var_type, self.loss_type = mean_type, var_type, loss_type
+        self.rescale_timesteps = bool(rescale_timesteps)
         self.num_timesteps = len(betas)
+        self.timestep_map = np.arange(len(betas)) if timestep_map is None else np.asarray(timestep_map, np.int64)
+        self.original_num_steps = len(betas) if original_num_steps is None else int(original_num_steps)
+        if self.timestep_map.shape != betas.shape:
+            raise ValueError(f"timestep_map has shape {self.timestep_map.shape}, betas {betas.shape}")
 
         self.betas = betas
+        self.log_betas = np.log(betas)
         alphas = 1.0 - betas
         self.alphas_cumprod = np.cumprod(alphas)
         self.alphas_cumprod_prev = np.append(1.0, self.alphas_cumprod[:-1])
+        self.alphas_cumprod_next = np.append(self.alphas_cumprod[1:], 0.0)
         self.sqrt_alphas_cumprod = np.sqrt(self.alphas_cumprod)
         self.sqrt_one_minus_alphas_cumprod = np.sqrt(1.0 - self.alphas_cumprod)
+        self.log_one_minus_alphas_cumprod = np.log(1.0 - self.alphas_cumprod)
         self.sqrt_recip_alphas_cumprod = np.sqrt(1.0 / self.alphas_cumprod)
         self.sqrt_recipm1_alphas_cumprod = np.sqrt(1.0 / self.alphas_cumprod - 1.0)
         # q(x_{t-1} | x_t, x_0) = N(coef1 * x_0 + coef2 * x_t, posterior_variance)   (paper eq. 6-7)
         self.posterior_variance = betas * (1.0 - self.alphas_cumprod_prev) / (1.0 - self.alphas_cumprod)
-        # The variance is 0 at t = 0: its log is clipped to the value at t = 1.
+        # The variance is 0 at t = 0: its log is clipped to the value at t = 1 (a one-step chain, which has no
+        # t = 1, takes log beta_0; only the decoder term and learned_range read it there).
         self.posterior_log_variance_clipped = np.log(
-            np.append(self.posterior_variance[1], self.posterior_variance[1:])
+            np.append(self.posterior_variance[1], self.posterior_variance[1:]) if len(betas) > 1 else betas
         )
         self.posterior_mean_coef1 = betas * np.sqrt(self.alphas_cumprod_prev) / (1.0 - self.alphas_cumprod)
         self.posterior_mean_coef2 = (
@@ -73,15 +109,37 @@ class GaussianDiffusion:
         )
         if var_type == "fixedlarge":
             # Ho's code: beta_t, except posterior_variance[1] at t = 0 (a better decoder variance there).
-            self.model_log_variance = np.log(np.append(self.posterior_variance[1], betas[1:]))
-        else:
+            self.model_log_variance = np.append(self.posterior_log_variance_clipped[0], self.log_betas[1:])
+        elif var_type == "fixedsmall":
             self.model_log_variance = self.posterior_log_variance_clipped
+        else:
+            self.model_log_variance = None  # the model's output says
 
-        self._tensors = {name: Tensor(getattr(self, name).astype(np.float32)) for name in _PER_SAMPLE}
+        names = _PER_SAMPLE + (("model_log_variance",) if self.model_log_variance is not None else ())
+        self._tensors = {name: Tensor(getattr(self, name).astype(np.float32)) for name in names}
+        model_t = self.timestep_map * (1000.0 / self.original_num_steps) if self.rescale_timesteps else None
+        self._model_timesteps = (Tensor(model_t.astype(np.float32)) if model_t is not None
+                                 else Tensor(self.timestep_map.astype(np.int32)))
+
+    @property
+    def learns_variance(self):
+        """Whether the model outputs a variance (twice the image channels)."""
+        return self.var_type in LEARNED_VAR_TYPES
 
     def _extract(self, name, t, ndim):
         """The named array at timesteps t (shape (N,)), shaped (N, 1, ..., 1) to broadcast over ndim dims."""
         return self._tensors[name][t].reshape((-1,) + (1,) * (ndim - 1))
+
+    def model_timesteps(self, t):
+        """What the model receives for indices t of this chain: the original timesteps (int32), or with
+        ``rescale_timesteps`` original t * 1000 / original T (float32)."""
+        return self._model_timesteps[_as_timesteps(t)]
+
+    def run_model(self, model, x_t, t):
+        """``model`` at x_t and the timesteps it is to see for indices t (``model_timesteps``)."""
+        return model(x_t, self.model_timesteps(t))
+
+    # --- the forward process and its posterior
 
     def q_sample(self, x0, t, noise):
         """Draw x_t ~ q(x_t | x_0): sqrt(alpha_bar_t) x_0 + sqrt(1 - alpha_bar_t) noise."""
@@ -89,11 +147,24 @@ class GaussianDiffusion:
         return (self._extract("sqrt_alphas_cumprod", t, x0.ndim) * x0
                 + self._extract("sqrt_one_minus_alphas_cumprod", t, x0.ndim) * noise)
 
-    def q_posterior_mean(self, x0, x_t, t):
-        """Mean of q(x_{t-1} | x_t, x_0)."""
+    def q_mean_variance(self, x0, t):
+        """Mean, variance and log variance of q(x_t | x_0), each shaped like x0."""
         t = _as_timesteps(t)
-        return (self._extract("posterior_mean_coef1", t, x_t.ndim) * x0
+        mean = self._extract("sqrt_alphas_cumprod", t, x0.ndim) * x0
+        variance = F.broadcast_to(1.0 - self._extract("alphas_cumprod", t, x0.ndim), x0.shape)
+        log_variance = F.broadcast_to(self._extract("log_one_minus_alphas_cumprod", t, x0.ndim), x0.shape)
+        return mean, variance, log_variance
+
+    def q_posterior_mean_variance(self, x0, x_t, t):
+        """Mean, variance and clipped log variance of q(x_{t-1} | x_t, x_0), each shaped like x_t."""
+        t = _as_timesteps(t)
+        mean = (self._extract("posterior_mean_coef1", t, x_t.ndim) * x0
                 + self._extract("posterior_mean_coef2", t, x_t.ndim) * x_t)
+        variance = F.broadcast_to(self._extract("posterior_variance", t, x_t.ndim), x_t.shape)
+        log_variance = F.broadcast_to(self._extract("posterior_log_variance_clipped", t, x_t.ndim), x_t.shape)
+        return mean, variance, log_variance
+
+    # --- the model's predictions
 
     def predict_xstart_from_eps(self, x_t, t, eps):
         """x_0 = (x_t - sqrt(1 - alpha_bar_t) eps) / sqrt(alpha_bar_t)."""
@@ -110,89 +181,214 @@ class GaussianDiffusion:
         return ((xprev - self._extract("posterior_mean_coef2", t, x_t.ndim) * x_t)
                 / self._extract("posterior_mean_coef1", t, x_t.ndim))
 
-    def model_predictions(self, model, x_t, t, clip_denoised=True):
-        """Run ``model(x_t, t)`` and return (x_0, eps) predictions, whatever the mean type.
+    def split_output(self, output):
+        """(the mean-type prediction, the variance values v or None): a learned variance's model outputs twice
+        the image channels, the prediction first."""
+        if not self.learns_variance:
+            return output, None
+        if output.shape[1] % 2:
+            raise ValueError(f"a learned variance needs an even number of output channels, got {output.shape[1]}")
+        prediction, values = F.split(output, 2, axis=1)
+        return prediction, values
 
-        With ``clip_denoised`` x_0 is clipped to [-1, 1] and eps is re-derived from the clipped x_0.
-        """
+    def p_mean_variance(self, output, x_t, t, clip_denoised=True):
+        """The reverse step p(x_{t-1} | x_t) the model ``output`` at (x_t, t) describes: a dict of ``mean``,
+        ``variance``, ``log_variance`` (each shaped like x_t), ``pred_xstart`` (clipped to [-1, 1] with
+        ``clip_denoised``) and ``eps`` (the noise that pred_xstart and x_t imply; the output itself for an
+        eps model without clipping). The mean is the posterior mean of pred_xstart and x_t."""
         t = _as_timesteps(t)
-        out = model(x_t, t)
-        if self.mean_type == "eps":
-            x0 = self.predict_xstart_from_eps(x_t, t, out)
-        elif self.mean_type == "xstart":
-            x0 = out
+        prediction, values = self.split_output(output)
+        if self.var_type == "learned":
+            log_variance = values
+        elif self.var_type == "learned_range":
+            frac = (values + 1.0) / 2.0
+            log_variance = (frac * self._extract("log_betas", t, x_t.ndim)
+                            + (1.0 - frac) * self._extract("posterior_log_variance_clipped", t, x_t.ndim))
         else:
-            x0 = self.predict_xstart_from_xprev(x_t, t, out)
+            log_variance = F.broadcast_to(self._extract("model_log_variance", t, x_t.ndim), x_t.shape)
+        if self.mean_type == "eps":
+            x0 = self.predict_xstart_from_eps(x_t, t, prediction)
+        elif self.mean_type == "xstart":
+            x0 = prediction
+        else:
+            x0 = self.predict_xstart_from_xprev(x_t, t, prediction)
         if clip_denoised:
             x0 = F.clip(x0, -1.0, 1.0)
-        if self.mean_type == "eps" and not clip_denoised:
-            return x0, out
-        return x0, self.predict_eps_from_xstart(x_t, t, x0)
+        eps = prediction if self.mean_type == "eps" and not clip_denoised else self.predict_eps_from_xstart(x_t, t, x0)
+        mean, _, _ = self.q_posterior_mean_variance(x0, x_t, t)
+        return {"mean": mean, "variance": F.exp(log_variance), "log_variance": log_variance, "pred_xstart": x0,
+                "eps": eps}
 
-    def training_loss(self, model, x0, t=None, noise=None):
-        """Per-sample MSE (shape (N,)) between the model output at x_t ~ q(x_t | x_0) and its target
-        (the noise, x_0 or the posterior mean, by mean type). t defaults to uniform draws from 0..T-1
-        and noise to standard normal, both from MegEngine's global RNG."""
-        n = x0.shape[0]
-        if t is None:
-            t = F.minimum(F.floor(megengine.random.uniform(0, self.num_timesteps, size=(n,))),
-                          self.num_timesteps - 1)
-        t = _as_timesteps(t)
+    # --- training
+
+    def draw_timesteps(self, n):
+        """n timestep indices drawn uniformly from 0..n_steps-1 with MegEngine's global RNG."""
+        return F.minimum(F.floor(megengine.random.uniform(0, self.num_timesteps, size=(n,))), self.num_timesteps - 1)
+
+    def training_losses(self, model, x0, t=None, noise=None):
+        """Per-sample losses (each shape (N,)) at x_t ~ q(x_t | x_0): ``mse`` between the model's prediction and
+        its target (the noise, x_0 or the posterior mean, by mean type), with a learned variance ``vb``, the
+        variational-bound term in bits with the prediction behind a stop-gradient (so it trains only the
+        variance; times T / 1000 for "hybrid"), and ``loss`` = mse (+ vb). t defaults to uniform draws and noise
+        to standard normal, both from MegEngine's global RNG."""
+        t = _as_timesteps(self.draw_timesteps(x0.shape[0]) if t is None else t)
         if noise is None:
             noise = megengine.random.normal(size=x0.shape)
         x_t = self.q_sample(x0, t, noise)
-        out = model(x_t, t)
+        output = self.run_model(model, x_t, t)
+        prediction, values = self.split_output(output)
         if self.mean_type == "eps":
             target = noise
         elif self.mean_type == "xstart":
             target = x0
         else:
-            target = self.q_posterior_mean(x0, x_t, t)
-        return ((out - target) ** 2).reshape(n, -1).mean(axis=1)
+            target, _, _ = self.q_posterior_mean_variance(x0, x_t, t)
+        terms = {"mse": mean_flat((prediction - target) ** 2)}
+        terms["loss"] = terms["mse"]
+        if values is not None:
+            frozen = F.concat([prediction.detach(), values], axis=1)
+            terms["vb"] = self.vb_terms_bpd(frozen, x0, x_t, t, clip_denoised=False)["output"]
+            if self.loss_type == "hybrid":
+                terms["vb"] = terms["vb"] * (self.num_timesteps / 1000.0)
+            terms["loss"] = terms["mse"] + terms["vb"]
+        return terms
+
+    # --- the variational bound, in bits per dimension
+
+    def vb_terms_bpd(self, output, x0, x_t, t, clip_denoised=True):
+        """One term of the variational bound per sample, in bits per dimension, for the model ``output`` at
+        (x_t, t): ``kl`` = KL(q(x_{t-1} | x_t, x_0) || p(x_{t-1} | x_t)) (with the posterior's clipped log
+        variance), ``decoder_nll`` = -log p(x_0 | x_1) (discretized Gaussian), both for every row, and
+        ``output``: the decoder NLL where t == 0, the KL elsewhere. Also ``pred_xstart``."""
+        t = _as_timesteps(t)
+        true_mean, _, true_log_variance = self.q_posterior_mean_variance(x0, x_t, t)
+        p = self.p_mean_variance(output, x_t, t, clip_denoised)
+        kl = mean_flat(normal_kl(true_mean, true_log_variance, p["mean"], p["log_variance"])) / _LN2
+        decoder_nll = -mean_flat(discretized_gaussian_log_likelihood(x0, p["mean"], 0.5 * p["log_variance"])) / _LN2
+        return {"output": F.where(t == 0, decoder_nll, kl), "kl": kl, "decoder_nll": decoder_nll,
+                "pred_xstart": p["pred_xstart"]}
+
+    def prior_bpd(self, x0):
+        """KL(q(x_{n-1} | x_0) || N(0, I)) per sample in bits per dimension: the prior term, ~0 for a good chain."""
+        mean, _, log_variance = self.q_mean_variance(x0, np.full(x0.shape[0], self.num_timesteps - 1))
+        zeros = F.zeros_like(mean)
+        return mean_flat(normal_kl(mean, log_variance, zeros, zeros)) / _LN2
+
+    def calc_bpd_loop(self, model, x0, clip_denoised=True, draw_noise=None, progress=False):
+        """The whole variational bound of each image of x0 (uint8 values scaled to [-1, 1]), in bits per dimension.
+
+        Walks t = n-1 .. 0, drawing fresh noise for each t (``draw_noise()``; default standard normal from
+        MegEngine's global RNG) and running the model in eval mode. Returns float64 numpy arrays: ``total_bpd``
+        and ``prior_bpd`` (N,), and (N, n) ``vb``, ``xstart_mse`` and ``mse`` (eps re-derived from the clipped
+        x_0 prediction), column t for timestep t. total_bpd = sum of vb over t + prior_bpd.
+        """
+        n = x0.shape[0]
+        draw_noise = draw_noise or (lambda: megengine.random.normal(size=x0.shape))
+        columns = {name: np.zeros((n, self.num_timesteps)) for name in ("vb", "xstart_mse", "mse")}
+        with samplers.eval_mode(model):
+            for t in samplers.reverse_indices(self.num_timesteps, progress):
+                t_batch = F.full((n,), t, dtype="int32")
+                noise = draw_noise()
+                x_t = self.q_sample(x0, t_batch, noise)
+                terms = self.vb_terms_bpd(self.run_model(model, x_t, t_batch), x0, x_t, t_batch, clip_denoised)
+                eps = self.predict_eps_from_xstart(x_t, t_batch, terms["pred_xstart"])
+                columns["vb"][:, t] = terms["output"].numpy()
+                columns["xstart_mse"][:, t] = mean_flat((terms["pred_xstart"] - x0) ** 2).numpy()
+                columns["mse"][:, t] = mean_flat((eps - noise) ** 2).numpy()
+        prior = self.prior_bpd(x0).numpy().astype(np.float64)
+        return {"total_bpd": columns["vb"].sum(axis=1) + prior, "prior_bpd": prior, **columns}
+
+    # --- reverse steps and sampling
+
+    def p_sample_step(self, model, x_t, t, clip_denoised=True, noise=None):
+        """One ancestral step: (x_{t-1}, pred_xstart), x_{t-1} = mean + exp(log variance / 2) * noise, with no
+        noise where t == 0 (and none at all when ``noise`` is None)."""
+        t = _as_timesteps(t)
+        p = self.p_mean_variance(self.run_model(model, x_t, t), x_t, t, clip_denoised)
+        sample = p["mean"]
+        if noise is not None:
+            nonzero = (t != 0).astype("float32").reshape((-1,) + (1,) * (x_t.ndim - 1))
+            sample = sample + nonzero * F.exp(0.5 * p["log_variance"]) * noise
+        return sample, p["pred_xstart"]
+
+    def ddim_step(self, model, x_t, t, eta=0.0, clip_denoised=True, noise=None):
+        """One DDIM step (Song et al. 2021, eq. 12) from index t to t - 1 of this chain: (x_prev, pred_xstart),
+        x_prev = sqrt(a_prev) x_0 + sqrt(1 - a_prev - sigma^2) eps + sigma noise, sigma = eta sqrt((1 - a_prev)
+        / (1 - a)) sqrt(1 - a / a_prev) (eq. 16), a = alpha_bar at t, a_prev at t - 1 (1 after t = 0); eps is
+        re-derived from the (clipped) x_0 prediction. No noise term when ``noise`` is None."""
+        t = _as_timesteps(t)
+        p = self.p_mean_variance(self.run_model(model, x_t, t), x_t, t, clip_denoised)
+        a, a_prev = self._extract("alphas_cumprod", t, x_t.ndim), self._extract("alphas_cumprod_prev", t, x_t.ndim)
+        sigma = eta * F.sqrt((1.0 - a_prev) / (1.0 - a)) * F.sqrt(1.0 - a / a_prev)
+        sample = F.sqrt(a_prev) * p["pred_xstart"] + F.sqrt(F.maximum(1.0 - a_prev - sigma ** 2, 0.0)) * p["eps"]
+        if noise is not None:
+            sample = sample + sigma * noise
+        return sample, p["pred_xstart"]
+
+    def ddim_reverse_step(self, model, x_t, t, clip_denoised=True):
+        """One deterministic DDIM step forward in time, from index t to t + 1 (DDIM inversion: encoding an image
+        into the chain's noise): pred_xstart sqrt(a_next) + sqrt(1 - a_next) eps, with a_next = alpha_bar at
+        t + 1 (0 past the end)."""
+        t = _as_timesteps(t)
+        p = self.p_mean_variance(self.run_model(model, x_t, t), x_t, t, clip_denoised)
+        a_next = self._extract("alphas_cumprod_next", t, x_t.ndim)
+        return F.sqrt(a_next) * p["pred_xstart"] + F.sqrt(1.0 - a_next) * p["eps"]
 
     def respace(self, timesteps):
-        """The diffusion over the increasing subsequence ``timesteps`` of this one: betas recomputed so
-        that its alphas_cumprod are this chain's alphas_cumprod at those timesteps."""
-        alphas_cumprod = self.alphas_cumprod[np.asarray(timesteps)]
+        """The chain over the increasing subsequence ``timesteps`` of this one: betas recomputed so that its
+        alphas_cumprod are this chain's alphas_cumprod at those timesteps; the model still sees the original
+        timesteps (``timestep_map``)."""
+        timesteps = np.asarray(timesteps, dtype=np.int64)
+        if timesteps.ndim != 1 or not len(timesteps) or (np.diff(timesteps) <= 0).any() \
+                or timesteps[0] < 0 or timesteps[-1] >= self.num_timesteps:
+            raise ValueError(f"respacing needs increasing timesteps within 0..{self.num_timesteps - 1}")
+        alphas_cumprod = self.alphas_cumprod[timesteps]
         betas = 1.0 - alphas_cumprod / np.append(1.0, alphas_cumprod[:-1])
-        return GaussianDiffusion(betas, self.mean_type, self.var_type)
+        return GaussianDiffusion(betas, self.mean_type, self.var_type, self.loss_type, self.rescale_timesteps,
+                                 self.timestep_map[timesteps], self.original_num_steps)
 
-    def check_sampling(self, sampler, steps=None, eta=0.0):
-        """Raise ValueError (one line) unless ``sample`` accepts this sampler, step count and eta."""
-        if sampler not in SAMPLERS:
-            raise ValueError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
+    def respaced(self, steps=None, respacing=None):
+        """This chain respaced to the timesteps ``spacing.sampling_timesteps`` keeps (itself when all are kept)."""
+        timesteps = sampling_timesteps(self.num_timesteps, steps, respacing)
+        return self if len(timesteps) == self.num_timesteps else self.respace(timesteps)
+
+    def check_sampling(self, sampler, steps=None, eta=0.0, respacing=None):
+        """Raise ValueError (one line) unless ``sample`` accepts this sampler, step count (or respacing) and eta."""
+        _check_choice("sampler", sampler, SAMPLERS)
         if not (math.isfinite(eta) and eta >= 0) or (eta and sampler != "ddim"):
             raise ValueError(f"eta must be a finite number >= 0 and is only used by the ddim sampler, got eta={eta}")
-        samplers.timestep_subsequence(self.num_timesteps, steps)
+        sampling_timesteps(self.num_timesteps, steps, respacing)
 
     def sample(self, model, shape, sampler="ddpm", steps=None, eta=0.0, noise=None, clip_denoised=True,
-               progress=False, seeds=None):
+               progress=False, seeds=None, respacing=None):
         """Generate a float32 (N, ...) tensor of samples in [-1, 1].
 
         :param shape: (N, C, H, W) (or any (N, ...)) of the output.
-        :param sampler: "ddpm" (ancestral; respaced when steps < T) or "ddim" (Song et al., with ``eta``).
+        :param sampler: "ddpm" (ancestral) or "ddim" (Song et al., with ``eta``), both on the chain respaced to
+            the kept timesteps (``respaced``), learned variances included.
         :param steps: number of sampling steps S (default T); timesteps range(0, T, T // S)[:S].
+        :param respacing: instead of ``steps``, improved-diffusion's spacing ("50", "10,15,20", "ddim50").
         :param noise: x_T; default standard normal from MegEngine's global RNG (or from ``seeds``).
         :param seeds: one int per image: image j's x_T and every per-step noise draw come only from
             ``np.random.default_rng(seeds[j])``, so an image does not depend on its batch.
         The model always receives the original timesteps, and is run in eval mode (dropout off).
         """
-        self.check_sampling(sampler, steps, eta)
-        timesteps = samplers.timestep_subsequence(self.num_timesteps, steps)
+        self.check_sampling(sampler, steps, eta, respacing)
+        chain = self.respaced(steps, respacing)
         shape = tuple(int(s) for s in shape)
-        draw_noise = _noise_source(shape, noise, seeds)
+        draw_noise = noise_source(shape, noise, seeds)
         x = Tensor(noise, dtype="float32") if noise is not None else draw_noise()
         if tuple(x.shape) != shape:
             raise ValueError(f"noise has shape {tuple(x.shape)}, expected {shape}")
         with samplers.eval_mode(model):
             if sampler == "ddpm":
-                x = samplers.ddpm_sample(self, model, x, timesteps, clip_denoised, draw_noise, progress)
+                x = samplers.ddpm_sample(chain, model, x, clip_denoised, draw_noise, progress)
             else:
-                x = samplers.ddim_sample(self, model, x, timesteps, eta, clip_denoised, draw_noise, progress)
+                x = samplers.ddim_sample(chain, model, x, eta, clip_denoised, draw_noise, progress)
         return F.clip(x, -1.0, 1.0)
 
 
-def _noise_source(shape, noise, seeds):
+def noise_source(shape, noise=None, seeds=None):
     """A function drawing one standard-normal tensor of ``shape``: per image from ``seeds`` when given,
     else from MegEngine's global RNG."""
     if seeds is None:

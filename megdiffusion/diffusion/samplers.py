@@ -1,25 +1,16 @@
-"""Reverse-process samplers: ancestral DDPM (respaced for S < T steps) and DDIM with eta.
+"""Reverse-process samplers: ancestral DDPM and DDIM with eta, each a loop over the single steps of
+``GaussianDiffusion`` (``p_sample_step``, ``ddim_step``).
 
-Both walk the "leading" timestep subsequence range(0, T, T // S)[:S] from the end to t = 0, call the
-model with those original timesteps, and add no noise at the last step (after which alpha_bar = 1).
+Both run on a chain already respaced to the kept timesteps (``GaussianDiffusion.respaced``), from its last index
+to 0; the chain calls the model with the original timesteps. After the last step alpha_bar is 1 and no noise is
+added. Noise is drawn only for steps that add it (``draw_noise()``), so per-image seeds give the same images as
+before learned variances existed.
 """
 import contextlib
-import math
 
-import numpy as np
 from tqdm import tqdm
 
 import megengine.functional as F
-
-
-def timestep_subsequence(num_timesteps, steps=None):
-    """The S original timesteps range(0, T, T // S)[:S] (all T when steps is None)."""
-    if steps is None:
-        steps = num_timesteps
-    if int(steps) != steps or not 1 <= steps <= num_timesteps:
-        raise ValueError(f"steps must be an integer between 1 and T={num_timesteps}, got {steps}")
-    steps = int(steps)
-    return np.arange(0, num_timesteps, num_timesteps // steps)[:steps]
 
 
 @contextlib.contextmanager
@@ -35,42 +26,25 @@ def eval_mode(model):
             model.train()
 
 
-def _steps(timesteps, progress):
-    return tqdm(range(len(timesteps) - 1, -1, -1), total=len(timesteps), disable=not progress, leave=False)
+def reverse_indices(num_steps, progress=False):
+    """num_steps - 1, ..., 0, with a tqdm bar when ``progress``."""
+    return tqdm(range(num_steps - 1, -1, -1), total=num_steps, disable=not progress, leave=False)
 
 
 def _full(n, value):
     return F.full((n,), int(value), dtype="int32")
 
 
-def ddpm_sample(diffusion, model, x, timesteps, clip_denoised, draw_noise, progress):
-    """Ancestral sampling: x_{t-1} = posterior mean at the predicted x_0 + exp(log var / 2) * noise.
-
-    For a subsequence of timesteps the chain is respaced (``GaussianDiffusion.respace``): betas are
-    recomputed from alphas_cumprod at the kept timesteps, the model still sees the original ones.
-    """
-    chain = diffusion if len(timesteps) == diffusion.num_timesteps else diffusion.respace(timesteps)
-    n = x.shape[0]
-    for i in _steps(timesteps, progress):
-        x0, _ = diffusion.model_predictions(model, x, _full(n, timesteps[i]), clip_denoised)
-        x = chain.q_posterior_mean(x0, x, _full(n, i))
-        if i > 0:
-            x = x + math.exp(0.5 * chain.model_log_variance[i]) * draw_noise()
+def ddpm_sample(chain, model, x, clip_denoised, draw_noise, progress):
+    """Ancestral sampling: x_{t-1} = the model's mean + exp(log variance / 2) * noise (no noise at t = 0)."""
+    for i in reverse_indices(chain.num_timesteps, progress):
+        x, _ = chain.p_sample_step(model, x, _full(x.shape[0], i), clip_denoised, draw_noise() if i > 0 else None)
     return x
 
 
-def ddim_sample(diffusion, model, x, timesteps, eta, clip_denoised, draw_noise, progress):
-    """DDIM (Song et al. 2021, eq. 12): x_prev = sqrt(a_prev) x_0 + sqrt(1 - a_prev - sigma^2) eps
-    + sigma noise, with sigma = eta * sqrt((1 - a_prev) / (1 - a)) * sqrt(1 - a / a_prev) (eq. 16) and
-    a = alpha_bar at the current timestep, a_prev at the previous kept one (1 after the last)."""
-    alphas_cumprod = diffusion.alphas_cumprod
-    n = x.shape[0]
-    for i in _steps(timesteps, progress):
-        x0, eps = diffusion.model_predictions(model, x, _full(n, timesteps[i]), clip_denoised)
-        a = alphas_cumprod[timesteps[i]]
-        a_prev = alphas_cumprod[timesteps[i - 1]] if i > 0 else 1.0
-        sigma = eta * math.sqrt((1 - a_prev) / (1 - a)) * math.sqrt(1 - a / a_prev)
-        x = math.sqrt(a_prev) * x0 + math.sqrt(max(1 - a_prev - sigma ** 2, 0.0)) * eps
-        if sigma > 0:
-            x = x + sigma * draw_noise()
+def ddim_sample(chain, model, x, eta, clip_denoised, draw_noise, progress):
+    """DDIM (``GaussianDiffusion.ddim_step``); noise is drawn only when eta > 0 and the step is not the last."""
+    for i in reverse_indices(chain.num_timesteps, progress):
+        noise = draw_noise() if eta > 0 and i > 0 else None
+        x, _ = chain.ddim_step(model, x, _full(x.shape[0], i), eta, clip_denoised, noise)
     return x

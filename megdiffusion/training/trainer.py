@@ -69,7 +69,7 @@ class Trainer:
     def step(self, x0):
         """One update on this rank's batch ``x0`` (float32 NCHW in [-1, 1]): {"loss", "grad_norm", "lr"}.
 
-        The loss is the batch mean of ``training_loss``; gradients are averaged over ranks, clipped to
+        The loss is the batch mean of ``training_losses``' ``loss``; gradients are averaged over ranks, clipped to
         ``grad_clip`` (the returned norm is the one before clipping), then Adam and the EMA update.
         """
         cfg = self.cfg
@@ -82,8 +82,8 @@ class Trainer:
             group["lr"] = lr
         self.model.train()
         with self.grad_manager:
-            loss = self.diffusion.training_loss(self.model, mge.tensor(x0), mge.tensor(t),
-                                                mge.tensor(noise)).mean()
+            loss = self.diffusion.training_losses(self.model, mge.tensor(x0), mge.tensor(t),
+                                                  mge.tensor(noise))["loss"].mean()
             self.grad_manager.backward(loss)
         # With clipping off, an infinite bound leaves the gradients untouched (scale min(inf, 1) = 1).
         grad_norm = float(clip_grad_norm(self.params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
