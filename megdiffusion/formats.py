@@ -1,7 +1,7 @@
 """Published DDPM checkpoints: recognise the format from the content, read the network it describes, and map
 every tensor onto megdiffusion's UNet (``convert``; ``scripts/convert.py`` writes the result as a checkpoint).
 
-The formats (``FORMATS``), each Ho et al.'s network under its own names (``LAYOUTS``):
+The formats (``FORMATS``), each Ho et al.'s network under its own names (``LAYOUTS``), but the last:
 
 - ``diffusers``: a ``UNet2DModel`` directory: ``config.json`` and ``diffusion_pytorch_model.safetensors`` or
   ``.bin``, attention under current or pre-0.17 names; ``scheduler_config.json`` beside it (or in
@@ -11,6 +11,10 @@ The formats (``FORMATS``), each Ho et al.'s network under its own names (``LAYOU
   downsample on every side, uses GroupNorm eps 1e-5 and an interleaved sinusoid table, recorded as model options.
 - ``megengine_port``: a pickle of MegEngine/MegDiffusion's UNet state dict (its hub ``.pkl`` files) or its
   training ``ckpt.pkl`` (``model``, ``ema_model``). The stored time table tells which model code made it.
+- ``improved_diffusion``: a torch state dict of openai/improved-diffusion's ``UNetModel`` (Nichol & Dhariwal 2021):
+  symmetric downsample padding, GroupNorm eps 1e-5, its [cos | sin] time embedding, scale-shift norm and a
+  learned variance read from the shapes, a fused qkv projection split into q, k and v per head. Its files record
+  neither the image size, the head count nor the diffusion: published networks are recognised (``PUBLISHED``).
 
 Reading files and naming keys import no MegEngine; ``describe`` and ``convert`` build the diffusion and network.
 """
@@ -22,12 +26,13 @@ from typing import Callable, Optional
 import numpy as np
 
 from megdiffusion import torch_archive
+from megdiffusion.diffusion.choices import LEARNED_VAR_TYPES
 from megdiffusion.diffusion.schedules import make_beta_schedule
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.safetensors_file import is_safetensors, read_safetensors
 from megdiffusion.training.config import ConfigError, TrainConfig, validate
 
-FORMATS = ("diffusers", "pesser", "pytorch_ddpm", "megengine_port")
+FORMATS = ("diffusers", "pesser", "pytorch_ddpm", "megengine_port", "improved_diffusion")
 CHANNEL_ORDERS = ("rgb", "bgr")
 DIFFUSERS_WEIGHTS = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin")
 TABLE_ATOL = 1e-3  # a float32 table is within ~6e-5 of its float64 formula; the two formulas differ by O(1)
@@ -39,9 +44,10 @@ class ConvertError(MegdiffusionError):
 
 @dataclass(frozen=True)
 class Published:
-    """A published network, recognised by its shape, and what its file does not record."""
+    """A published network, recognised by its family and shape, and what its file does not record."""
 
     name: str
+    family: str  # "ddpm": Ho et al.'s network (every format but improved_diffusion), or "improved_diffusion"
     image_size: int
     model_channels: int
     channel_mult: tuple
@@ -49,13 +55,27 @@ class Published:
     attention_levels: tuple
     var_type: str
     dropout: float
+    settings: tuple = ()  # further (TrainConfig field, value) pairs
 
 
 # Ho et al. 2020: linear betas 1e-4..0.02, T = 1000, eps prediction for all; fixedlarge for CIFAR-10's FID.
+# improved-diffusion: the flags of its README (4 heads and attention at 16 and 8 pixels by default); its L_vlb
+# models (``*_vlb_*``) have the same networks, trained with a loss megdiffusion does not have (hybrid is recorded).
+_IDDPM_4000 = (("num_timesteps", 4000), ("beta_schedule", "cosine"), ("num_heads", 4), ("rescale_timesteps", True),
+               ("loss_type", "hybrid"))
 PUBLISHED = (
-    Published("Ho et al.'s CIFAR-10 model", 32, 128, (1, 2, 2, 2), 2, (1,), "fixedlarge", 0.1),
-    Published("Ho et al.'s 256x256 models (CelebA-HQ, LSUN bedroom, cat, church)", 256, 128, (1, 1, 2, 2, 4, 4), 2,
-              (4,), "fixedsmall", 0.0),
+    Published("Ho et al.'s CIFAR-10 model", "ddpm", 32, 128, (1, 2, 2, 2), 2, (1,), "fixedlarge", 0.1),
+    Published("Ho et al.'s 256x256 models (CelebA-HQ, LSUN bedroom, cat, church)", "ddpm", 256, 128,
+              (1, 1, 2, 2, 4, 4), 2, (4,), "fixedsmall", 0.0),
+    Published("improved-diffusion's CIFAR-10 models (cifar10_uncond_50M_500K, cifar10_uncond_vlb_50M_500K)",
+              "improved_diffusion", 32, 128, (1, 2, 2, 2), 3, (1, 2), "learned_range", 0.3, _IDDPM_4000),
+    Published("improved-diffusion's ImageNet-64 models (imagenet64_uncond_100M_1500K, "
+              "imagenet64_uncond_vlb_100M_1500K)",
+              "improved_diffusion", 64, 128, (1, 2, 3, 4), 3, (1, 2), "learned_range", 0.0, _IDDPM_4000),
+    Published("improved-diffusion's LSUN bedroom models (lsun_uncond_100M_1200K_bs128, lsun_uncond_100M_2400K_bs64)",
+              "improved_diffusion", 256, 128, (1, 1, 2, 2, 4, 4), 2, (4,), "learned_range", 0.0,
+              (("num_timesteps", 1000), ("beta_schedule", "linear"), ("num_heads", 1), ("rescale_timesteps", False),
+               ("loss_type", "mse"))),
 )
 
 # The MegEngine port's hub files (its megdiffusion/model/pretrain/ddpm.py): its own CIFAR-10 models take BGR
@@ -85,20 +105,20 @@ def _parse(name):
     return ("block" if part == "blocks" else "attn", path, level, int(module[3])), module[4], param
 
 
-def _pesser_stage(kind, path, level, index, levels, blocks):
+def _pesser_stage(kind, path, level, index, levels, blocks, attention_levels):
     if kind == "resample":
         return f"{path}.{level}.{path}sample.conv"
     return f"{path}.{level}.{kind}.{index}"
 
 
-def _diffusers_stage(kind, path, level, index, levels, blocks):
+def _diffusers_stage(kind, path, level, index, levels, blocks, attention_levels):
     stage = f"down_blocks.{level}" if path == "down" else f"up_blocks.{levels - 1 - level}"  # up: lowest first
     if kind == "resample":
         return f"{stage}.{path}samplers.0.conv"
     return f"{stage}.{'resnets' if kind == 'block' else 'attentions'}.{index}"
 
 
-def _flat_stage(kind, path, level, index, levels, blocks):
+def _flat_stage(kind, path, level, index, levels, blocks, attention_levels):
     """pytorch-ddpm's (and the MegEngine port's) flat lists: down, each level's blocks then a DownSample;
     up, lowest resolution first, each level's blocks + 1 then an UpSample. Attention sits inside its block."""
     if path == "down":
@@ -108,6 +128,20 @@ def _flat_stage(kind, path, level, index, levels, blocks):
     if kind == "resample":
         return f"{path}blocks.{start + size}.main"
     return f"{path}blocks.{start + index}" + (".attn" if kind == "attn" else "")
+
+
+def _iddpm_stage(kind, path, level, index, levels, blocks, attention_levels):
+    """improved-diffusion's ``input_blocks`` (the first conv, then each level's blocks and a Downsample ``op``) and
+    ``output_blocks`` (lowest resolution first, blocks + 1 per level); in each, [0] is the residual block, then
+    the attention, then (up, the level's last block) the Upsample."""
+    if path == "down":
+        start = 1 + level * (blocks + 1)
+        return f"input_blocks.{start + blocks}.0.op" if kind == "resample" else \
+            f"input_blocks.{start + index}.{1 if kind == 'attn' else 0}"
+    start = (levels - 1 - level) * (blocks + 1)
+    if kind == "resample":
+        return f"output_blocks.{start + blocks}.{2 if level in attention_levels else 1}.conv"
+    return f"output_blocks.{start + index}.{1 if kind == 'attn' else 0}"
 
 
 @dataclass(frozen=True)
@@ -121,6 +155,7 @@ class Layout:
     block: dict
     attn: dict
     table: Optional[str] = None  # the stored time-embedding table: checked, not mapped
+    fused_qkv: bool = False  # q, k and v are parts of one projection (``qkv_part``)
 
 
 _OURS_BLOCK = ("norm1", "conv1", "temb_proj", "norm2", "conv2", "skip")
@@ -147,21 +182,44 @@ LAYOUTS = {
                            _TABLE),
     "megengine_port": Layout(_FLAT_FIXED, _flat_stage, dict(zip(_OURS_BLOCK, _FLAT_BLOCK + ("short_cut",))),
                              _FLAT_ATTN, _TABLE),
+    "improved_diffusion": Layout(
+        dict(zip(_FIXED, ("time_embed.0", "time_embed.2", "input_blocks.0.0", "middle_block.0", "middle_block.1",
+                          "middle_block.2", "out.0", "out.2"))),
+        _iddpm_stage,
+        dict(zip(_OURS_BLOCK, ("in_layers.0", "in_layers.2", "emb_layers.1", "out_layers.0", "out_layers.3",
+                               "skip_connection"))),
+        dict(zip(_OURS_ATTN, ("norm", "qkv", "qkv", "qkv", "proj_out"))), fused_qkv=True),
 }
+_QKV_PARTS = {"q": 0, "k": 1, "v": 2}
 
 
-def source_name(layout, name, levels, blocks):
+def source_name(layout, name, levels, blocks, attention_levels=()):
     """The name ``layout`` gives megdiffusion's parameter ``name`` in a network of ``levels`` resolution levels
-    with ``blocks`` residual blocks per level on the way down."""
+    with ``blocks`` residual blocks per level on the way down, and attention at ``attention_levels``."""
     place, sub, param = _parse(name)
     names = LAYOUTS[layout]
     if isinstance(place, str):
         parts, is_attn = [names.fixed[place]], place == "mid_attn"
     else:
-        parts, is_attn = [names.stage(*place, levels, blocks)], place[0] == "attn"
+        parts, is_attn = [names.stage(*place, levels, blocks, attention_levels)], place[0] == "attn"
     if sub is not None:
         parts.append((names.attn if is_attn else names.block)[sub])
     return ".".join(parts + [param])
+
+
+def qkv_part(layout, name):
+    """Which part (0 q, 1 k, 2 v) of a fused qkv projection megdiffusion's parameter ``name`` is, or None."""
+    place, sub, _ = _parse(name)
+    is_attn = place == "mid_attn" or (not isinstance(place, str) and place[0] == "attn")
+    return _QKV_PARTS.get(sub) if LAYOUTS[layout].fused_qkv and is_attn else None
+
+
+def split_qkv(array, part, heads):
+    """Part ``part`` (0 q, 1 k, 2 v) of a fused qkv projection's weight or bias (3C, ...) whose rows are laid out
+    per head, [q_0 k_0 v_0 q_1 k_1 v_1 ...] (improved-diffusion's ``QKVAttention``), as a (C, ...) array whose
+    head i is rows i*d .. (i+1)*d - 1 (megdiffusion's ``AttnBlock``)."""
+    per_head = array.reshape(heads, 3, array.shape[0] // (3 * heads), *array.shape[1:])
+    return np.ascontiguousarray(per_head[:, part].reshape(array.shape[0] // 3, *array.shape[1:]))
 
 
 def detect_layout(names, torch_file=True):
@@ -170,12 +228,14 @@ def detect_layout(names, torch_file=True):
     names = set(names)
     if "temb.dense.0.weight" in names:
         return "pesser"
+    if "time_embed.0.weight" in names and "input_blocks.0.0.weight" in names:
+        return "improved_diffusion"
     if "time_embedding.linear_1.weight" in names:
         return "diffusers_legacy_attn" if any(n.endswith(".query.weight") for n in names) else "diffusers"
     if "time_embedding.timembedding.1.weight" in names:
         return "pytorch_ddpm" if torch_file else "megengine_port"
     raise ConvertError("the tensors follow none of the known layouts (no temb.dense.0.weight, "
-                       "time_embedding.linear_1.weight or time_embedding.timembedding.1.weight)")
+                       "time_embedding.linear_1.weight, time_embedding.timembedding.1.weight or time_embed.0.weight)")
 
 
 def format_of(layout):
@@ -201,9 +261,38 @@ def _levels_from(channels_of, has_attn, num_levels, model_channels):
     return tuple(mult), tuple(level for level in range(num_levels) if has_attn(level))
 
 
+def _iddpm_network(shapes):
+    """``network_from_shapes`` for improved-diffusion: also use_scale_shift_norm (the time projection gives 2 * out
+    values), and var_type learned_range when the output has twice the input channels."""
+    if "label_emb.weight" in shapes:
+        raise ConvertError("a class-conditional model (label_emb.weight); megdiffusion's networks are unconditional")
+    first = _shape(shapes, "input_blocks.0.0.weight")
+    starts, index = [1], 1  # the input_blocks index of each level's first residual block
+    while any(name.startswith(f"input_blocks.{index}.") for name in shapes):
+        index += 1
+        if f"input_blocks.{index - 1}.0.op.weight" in shapes:
+            starts.append(index)
+    levels, blocks = len(starts), (starts[1] - 2 if len(starts) > 1 else index - 1)
+    mult, attn = _levels_from(lambda lv: _shape(shapes, f"input_blocks.{starts[lv]}.0.in_layers.2.weight")[0],
+                              lambda lv: f"input_blocks.{starts[lv]}.1.qkv.weight" in shapes, levels, first[0])
+    projection = _shape(shapes, "input_blocks.1.0.emb_layers.1.weight")[0]
+    network = dict(model_channels=first[0], image_channels=first[1], channel_mult=mult, num_res_blocks=blocks,
+                   attention_levels=attn, use_scale_shift_norm=projection == 2 * first[0] * mult[0])
+    outputs = _shape(shapes, "out.2.weight")[0]
+    if outputs not in (first[1], 2 * first[1]):
+        raise ConvertError(f"the network maps {first[1]} image channels to {outputs}: neither the image nor the image "
+                           "and a variance")
+    if outputs == 2 * first[1]:
+        network["var_type"] = "learned_range"  # improved-diffusion's learn_sigma
+    return network
+
+
 def network_from_shapes(layout, shapes):
-    """The shape of the network a pesser, pytorch-ddpm or MegEngine-port state dict holds: model_channels,
-    channel_mult, num_res_blocks, attention_levels and image_channels (``shapes``: name -> shape)."""
+    """The shape of the network a pesser, pytorch-ddpm, MegEngine-port or improved-diffusion state dict holds:
+    model_channels, channel_mult, num_res_blocks, attention_levels and image_channels (``shapes``: name -> shape);
+    for improved-diffusion also what ``_iddpm_network`` reads."""
+    if layout == "improved_diffusion":
+        return _iddpm_network(shapes)
     if layout == "pesser":
         first = _shape(shapes, "conv_in.weight")
         levels = 1 + max((int(n.split(".")[1]) for n in shapes if n.startswith("down.")), default=-1)
@@ -289,6 +378,7 @@ def check_diffusers_config(config):
         raise ConvertError(f"config.json: block_out_channels {channels} are not multiples of {channels[0]}")
     return dict(model_channels=channels[0], channel_mult=tuple(c // channels[0] for c in channels),
                 num_res_blocks=values["layers_per_block"], attention_levels=attn, image_channels=values["in_channels"],
+                num_heads=1, beta_schedule="linear",
                 image_size=size, norm_groups=values["norm_num_groups"], norm_eps=float(values["norm_eps"]),
                 downsample_padding=_DIFFUSERS_PADDING[values["downsample_padding"]], dropout=config.get("dropout"),
                 num_timesteps=values["num_train_timesteps"])
@@ -433,9 +523,18 @@ def read_source(path, ema=False):
 
 # --- converting ------------------------------------------------------------------------------------------------
 
+def family_of(fmt):
+    """The network family (``Published.family``) of a format: improved-diffusion's, or Ho et al.'s."""
+    return "improved_diffusion" if fmt == "improved_diffusion" else "ddpm"
+
+
 def _conventions(source, model_channels):
-    """downsample_padding, time_embedding, norm_eps and num_timesteps of a non-diffusers source."""
-    ho = dict(downsample_padding="bottom_right", time_embedding="ho", norm_eps=1e-6)
+    """downsample_padding, time_embedding, norm_eps, num_heads, beta_schedule and num_timesteps (or norm_groups) a
+    non-diffusers source states."""
+    if source.layout == "improved_diffusion":  # GroupNorm32 with torch's eps; conv Downsample with padding 1
+        return dict(downsample_padding="symmetric", time_embedding="iddpm", norm_eps=1e-5, norm_groups=32)
+    ho = dict(downsample_padding="bottom_right", time_embedding="ho", norm_eps=1e-6, num_heads=1,
+              beta_schedule="linear")
     if source.layout == "pesser":
         return ho
     table = source.tensors.get(_TABLE)
@@ -448,39 +547,54 @@ def _conventions(source, model_channels):
         raise ConvertError(f"{source.path}: T={table.shape[0]}; its betas (1e-4..0.02 at any T) are megdiffusion's "
                            "linear schedule only at T=1000")
     # The port's first model code was pytorch-ddpm's network; its last (and Ho's weights) are Ho's.
-    conventions = ho if kind == "ho" else dict(downsample_padding="symmetric", time_embedding=kind, norm_eps=1e-5)
+    conventions = ho if kind == "ho" else dict(ho, downsample_padding="symmetric", time_embedding=kind, norm_eps=1e-5)
     return dict(conventions, num_timesteps=table.shape[0])
 
 
-def _published(fields):
+def _published(family, fields):
     shape = tuple(fields[k] for k in ("model_channels", "channel_mult", "num_res_blocks", "attention_levels"))
-    return next((p for p in PUBLISHED
-                 if (p.model_channels, p.channel_mult, p.num_res_blocks, p.attention_levels) == shape), None)
+    return next((p for p in PUBLISHED if p.family == family
+                 and (p.model_channels, p.channel_mult, p.num_res_blocks, p.attention_levels) == shape), None)
 
 
-def describe(source, image_size=None, norm_groups=None, var_type=None):
+# What the formats' code uses where neither the file, a flag nor a published network says: 32 GroupNorm groups,
+# T = 1000, linear betas (eps prediction is TrainConfig's default); improved-diffusion's rescaled timesteps and
+# dropout 0 (its script defaults).
+_FORMAT_DEFAULTS = {"ddpm": dict(norm_groups=32, num_timesteps=1000, beta_schedule="linear"),
+                    "improved_diffusion": dict(norm_groups=32, num_timesteps=1000, beta_schedule="linear",
+                                               rescale_timesteps=True, dropout=0.0)}
+
+
+def describe(source, image_size=None, norm_groups=None, var_type=None, num_heads=None, num_timesteps=None,
+             beta_schedule=None):
     """The ``TrainConfig`` of the network and diffusion ``source`` holds. Values the file states win (a flag that
     contradicts one is refused); the others come from the flags, else from ``PUBLISHED``, else the formats'
-    defaults (32 GroupNorm groups, T = 1000, eps), else ``ConvertError`` asking for the flag."""
+    defaults (``_FORMAT_DEFAULTS``), else ``ConvertError`` asking for the flag."""
     fields = dict(source.stated)
     if format_of(source.layout) != "diffusers":
         fields.update(network_from_shapes(source.layout, {n: a.shape for n, a in source.tensors.items()}))
         fields.update(_conventions(source, fields["model_channels"]))
-    published = _published(fields)
-    for name, given, fallback in (("image_size", image_size, published and published.image_size),
-                                  ("norm_groups", norm_groups, 32),
-                                  ("var_type", var_type, published and published.var_type)):
+    family = family_of(source.format)
+    published = _published(family, fields)
+    recorded = {} if published is None else dict(image_size=published.image_size, var_type=published.var_type,
+                                                 dropout=published.dropout, **dict(published.settings))
+    flags = dict(image_size=image_size, norm_groups=norm_groups, var_type=var_type, num_heads=num_heads,
+                 num_timesteps=num_timesteps, beta_schedule=beta_schedule)
+    for name, given in flags.items():
         if name in fields and given is not None and given != fields[name]:
             raise ConvertError(f"--{name}={given}, but {source.path} states {fields[name]}")
-        fields.setdefault(name, given if given is not None else fallback)
+        if name not in fields:
+            fields[name] = next((value for value in (given, recorded.get(name), _FORMAT_DEFAULTS[family].get(name))
+                                 if value is not None), None)
         if fields[name] is None:
             raise ConvertError(f"{source.path} does not record its {name} and is not a published network "
-                               f"({', '.join(p.name for p in PUBLISHED)}); give --{name}")
-    if "dropout" not in fields and published is not None:
-        fields["dropout"] = published.dropout
+                               f"({', '.join(p.name for p in PUBLISHED if p.family == family)}); give --{name}")
+    for name, value in {**_FORMAT_DEFAULTS[family], **recorded}.items():
+        fields.setdefault(name, value)
+    if family == "improved_diffusion" and fields["var_type"] in LEARNED_VAR_TYPES:
+        fields.setdefault("loss_type", "hybrid")  # its rescale_learned_sigmas=True
     levels = fields.pop("attention_levels")
     fields["attention_resolutions"] = tuple(fields["image_size"] // 2 ** level for level in levels)
-    fields.setdefault("num_timesteps", 1000)
     try:
         cfg = TrainConfig(**fields)
         validate(cfg)
@@ -492,8 +606,11 @@ def describe(source, image_size=None, norm_groups=None, var_type=None):
 def mapping(layout, source_shapes, target_shapes, levels, blocks):
     """``[(source name, target name)]`` for every target parameter, in target order. ``ConvertError`` naming the
     parameters the source lacks, the source tensors nothing maps (but a checked time table), or a shape that
-    differs beyond unit axes (attention Linear [C, C] and conv [C, C, 1, 1]; bias [C] and [1, C, 1, 1])."""
-    pairs = [(source_name(layout, name, levels, blocks), name) for name in target_shapes]
+    differs beyond unit axes (attention Linear [C, C] and conv [C, C, 1, 1]; bias [C] and [1, C, 1, 1]; a fused
+    qkv projection has three times the rows of each of q, k and v)."""
+    attention_levels = {int(name.split(".")[1]) for name in target_shapes
+                        if name.startswith("up.") and ".attns." in name}
+    pairs = [(source_name(layout, name, levels, blocks, attention_levels), name) for name in target_shapes]
     missing = [theirs for theirs, _ in pairs if theirs not in source_shapes]
     extra = sorted(set(source_shapes) - {theirs for theirs, _ in pairs} - {LAYOUTS[layout].table})
     if missing or extra:
@@ -501,7 +618,10 @@ def mapping(layout, source_shapes, target_shapes, levels, blocks):
                  for names, what in ((missing, "parameters missing"), (extra, "tensors left over")) if names]
         raise ConvertError(f"the {layout} tensors do not fill the network exactly ({'; '.join(parts)})")
     for theirs, ours in pairs:
-        squeezed = [tuple(n for n in shape if n != 1) for shape in (source_shapes[theirs], target_shapes[ours])]
+        their_shape = tuple(source_shapes[theirs])
+        if qkv_part(layout, ours) is not None and their_shape[0] % 3 == 0:
+            their_shape = (their_shape[0] // 3,) + their_shape[1:]
+        squeezed = [tuple(n for n in shape if n != 1) for shape in (their_shape, target_shapes[ours])]
         if squeezed[0] != squeezed[1]:
             raise ConvertError(f"{theirs} has shape {tuple(source_shapes[theirs])}; the network's {ours} needs "
                                f"{tuple(target_shapes[ours])}")
@@ -519,16 +639,18 @@ def _channel_order(source, given):
     return given or recorded
 
 
-def convert(path, fmt="auto", ema=False, image_size=None, norm_groups=None, var_type=None, channel_order=None):
+def convert(path, fmt="auto", ema=False, image_size=None, norm_groups=None, var_type=None, channel_order=None,
+            num_heads=None, num_timesteps=None, beta_schedule=None):
     """Map the checkpoint at ``path`` onto megdiffusion's UNet: ``(cfg, weights, record)``, ``weights`` float32
     arrays by parameter name in the network's order (images in RGB), ``record`` where they came from."""
     from megdiffusion.compat import quiet_megengine
+    from megdiffusion.nn.unet import attention_heads
     from megdiffusion.training.config import build_model
 
     source = read_source(path, ema)
     if fmt not in ("auto", source.format):
         raise ConvertError(f"{source.path} is a {source.format} checkpoint, not {fmt}")
-    cfg = describe(source, image_size, norm_groups, var_type)
+    cfg = describe(source, image_size, norm_groups, var_type, num_heads, num_timesteps, beta_schedule)
     order = _channel_order(source, channel_order)
     if order == "bgr" and cfg.image_channels != 3:
         raise ConvertError(f"--channel_order bgr needs 3 image channels; the network has {cfg.image_channels}")
@@ -543,6 +665,10 @@ def convert(path, fmt="auto", ema=False, image_size=None, norm_groups=None, var_
             raise ConvertError(f"{theirs} holds {array.dtype} values, not floating point")
         if not np.isfinite(array).all():
             raise ConvertError(f"{theirs} holds NaN or infinite values")
+        part = qkv_part(source.layout, ours)
+        if part is not None:
+            channels = targets[ours.rsplit(".", 1)[0] + ".weight"][0]  # of the q, k or v convolution
+            array = split_qkv(array, part, attention_heads(channels, cfg.num_heads, cfg.num_head_channels))
         weights[ours] = np.ascontiguousarray(array, np.float32).reshape(targets[ours])
     if order == "bgr":  # the same network for RGB images: conv_in's inputs and conv_out's outputs reversed
         weights["conv_in.weight"] = np.ascontiguousarray(weights["conv_in.weight"][:, ::-1])

@@ -7,7 +7,10 @@ one end-to-end respaced training loss with gradients), at the tolerances of the 
 The reference set is ``$MEGDIFFUSION_IDDPM_REFERENCE`` or tests/fixtures/iddpm. The tests iterate over the cases
 and keys its files list, and the last test checks that every key of both files was compared by one of them.
 """
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,13 +21,21 @@ from megdiffusion.compat import quiet_megengine
 mge = quiet_megengine()
 from megengine.autodiff import GradManager  # noqa: E402
 
+from megdiffusion import formats, sampling  # noqa: E402
 from megdiffusion.diffusion import GaussianDiffusion, make_beta_schedule  # noqa: E402
 from megdiffusion.diffusion import losses  # noqa: E402
 from megdiffusion.diffusion.spacing import space_timesteps  # noqa: E402
+from megdiffusion.nn import conv  # noqa: E402
+from megdiffusion.nn.layers import timestep_embedding  # noqa: E402
+from megdiffusion.training.config import build_model  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[1]
 REFERENCE = Path(os.environ.get("MEGDIFFUSION_IDDPM_REFERENCE") or Path(__file__).parent / "fixtures" / "iddpm")
 DIFFUSION = dict(np.load(REFERENCE / "diffusion.npz"))
 IO = dict(np.load(REFERENCE / "io.npz"))
+UNET = json.loads((REFERENCE / "unet_small.json").read_text())
+# What improved-diffusion's file does not record: create_model's image size and head count.
+UNET_FLAGS = {name: UNET["create_model_equivalent"][name] for name in ("image_size", "num_heads")}
 CASES = [str(case) for case in DIFFUSION["cases"]]
 SCHEDULE_TOL, DIFFUSION_TOL, UNET_TOL = 1e-12, 1e-4, 5e-5  # the README's: schedules; arrays, temb, grads; UNet
 CHECKED = {"diffusion": set(), "io": set()}  # the keys each test compared (or used as inputs)
@@ -179,3 +190,120 @@ def test_the_bpd_loop(case):
         term = name.split(".")[1]
         if term in result:  # per-t columns are stored in loop order: column k is t = n-1-k
             assert_conforms(result[term][:, ::-1] if result[term].ndim == 2 else result[term], f"{case}.{name}")
+
+
+# ---------------------------------------------------------------- the small improved UNet
+
+
+@pytest.fixture(scope="module")
+def converted():
+    """``formats.convert`` of unet_small.pt with its image size and head count: (cfg, weights, mapping)."""
+    path = str(REFERENCE / "unet_small.pt")
+    cfg, weights, record = formats.convert(path, fmt="improved_diffusion", **UNET_FLAGS)
+    assert record["format"] == "improved_diffusion"
+    source = formats.read_source(path)
+    assert list(source.tensors) == UNET["state_dict_keys"]
+    pairs = formats.mapping(source.layout, {n: a.shape for n, a in source.tensors.items()},
+                            {n: w.shape for n, w in weights.items()}, len(cfg.channel_mult), cfg.num_res_blocks)
+    return cfg, weights, dict(pairs)
+
+
+def network(cfg, weights, train=False):
+    model = build_model(cfg)
+    model.load_state_dict(weights)
+    model.train() if train else model.eval()
+    return model
+
+
+def test_the_file_describes_improved_diffusions_network(converted):
+    cfg, weights, _ = converted
+    kwargs = UNET["kwargs"]
+    assert sum(w.size for w in weights.values()) == UNET["param_count"]
+    assert (cfg.model_channels, cfg.channel_mult, cfg.num_res_blocks, cfg.use_scale_shift_norm, cfg.num_heads) == \
+        (kwargs["model_channels"], tuple(kwargs["channel_mult"]), kwargs["num_res_blocks"],
+         kwargs["use_scale_shift_norm"], kwargs["num_heads"])
+    assert cfg.attention_resolutions == tuple(cfg.image_size // ds for ds in kwargs["attention_resolutions"])
+    assert cfg.var_type == "learned_range" and kwargs["out_channels"] == 2 * kwargs["in_channels"]
+    assert cfg.dropout == kwargs["dropout"] and cfg.rescale_timesteps  # improved-diffusion's defaults
+    assert (cfg.time_embedding, cfg.norm_eps, cfg.norm_groups, cfg.downsample_padding) == \
+        ("iddpm", 1e-5, 32, "symmetric")
+
+
+def test_timesteps_the_model_sees():
+    steps = int(ref("t_diffusion_steps", "io"))
+    d = GaussianDiffusion(make_beta_schedule("cosine", steps), var_type="learned_range", rescale_timesteps=True)
+    assert_conforms(d.model_timesteps(ref("t", "io")), "t_model", file="io")
+
+
+def test_the_forward_pass_and_its_intermediates(converted):
+    cfg, weights, _ = converted
+    model = network(cfg, weights)
+    t = mge.tensor(ref("t_model", "io"))
+    assert_conforms(timestep_embedding(t, cfg.model_channels, cfg.time_embedding), "temb", file="io")
+    temb = model.embed_time(t)
+    assert_conforms(temb, "emb", UNET_TOL, file="io")
+    middle, skips = model.encode(mge.tensor(ref("x", "io")), temb)
+    assert_conforms(skips[0], "down0", UNET_TOL, file="io")
+    assert_conforms(middle, "middle", UNET_TOL, file="io")
+    for x, out in (("x", "out"), ("x_lowvar", "out_lowvar")):
+        assert_conforms(model(mge.tensor(ref(x, "io")), t), out, UNET_TOL, file="io")
+
+
+@pytest.mark.parametrize("fast_conv", [True, False], ids=["fast_conv", "native_conv"])
+def test_the_end_to_end_respaced_hybrid_loss_and_its_gradients(converted, fast_conv, monkeypatch):
+    monkeypatch.setattr(conv, "_setting", fast_conv)
+    cfg, weights, theirs_to_ours = converted
+    steps, count = int(ref("e2e.steps", "io")), int(ref("e2e.num_timesteps", "io"))
+    base = GaussianDiffusion(make_beta_schedule("cosine", steps), var_type="learned_range", loss_type="hybrid",
+                             rescale_timesteps=True)
+    d = base.respaced(respacing=str(count))
+    np.testing.assert_array_equal(d.timestep_map, ref("e2e.timestep_map", "io"))
+    model = network(cfg, weights, train=True)
+    x_start, t, noise = (mge.tensor(ref(f"e2e.{name}", "io")) for name in ("x_start", "t", "noise"))
+    assert_conforms(d.q_sample(x_start, t, noise), "e2e.x_t", file="io")
+    assert_conforms(d.model_timesteps(t), "e2e.model_t", file="io")
+    params = dict(model.named_parameters())
+    gm = GradManager().attach(list(params.values()))
+    with gm:
+        terms = d.training_losses(model, x_start, t, noise)
+        gm.backward(terms["loss"].sum())
+    for term in ("mse", "vb", "loss"):
+        assert_conforms(terms[term], f"e2e.train.{term}", file="io")
+    for key in [key for key in IO if key.startswith("e2e.grad.")]:
+        expected_shape = IO[key].shape
+        assert_conforms(params[theirs_to_ours[key[len("e2e.grad."):]]].grad.numpy().reshape(expected_shape), key,
+                        file="io")
+    model.eval()
+    x_t = mge.tensor(ref("e2e.x_t", "io"))
+    p = d.p_mean_variance(d.run_model(model, x_t, t), x_t, t, clip_denoised=True)
+    for key in [key for key in IO if key.startswith("e2e.pmv_clip.")]:
+        assert_conforms(p[key.split(".")[-1]], key, file="io")
+
+
+def test_the_converter_script_writes_a_checkpoint_that_gives_the_reference_outputs(tmp_path):
+    out = tmp_path / "unet_small.pkl"
+    flags = [f"--{name}={value}" for name, value in UNET_FLAGS.items()]
+    result = subprocess.run([sys.executable, "-m", "megdiffusion.scripts.convert", str(REFERENCE / "unet_small.pt"),
+                             str(out), "--format=improved_diffusion", *flags], cwd=REPO, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert f"{UNET['param_count']:,} parameters" in result.stdout and "2 attention heads, scale-shift norm" in \
+        result.stdout
+    model, diffusion, cfg, _ = sampling.load_model(str(out))
+    assert diffusion.learns_variance and cfg.rescale_timesteps and cfg.loss_type == "hybrid"
+    got = model(mge.tensor(IO["x"]), mge.tensor(IO["t_model"]))
+    error = float(np.abs(got.numpy() - IO["out"]).max())
+    assert error <= UNET_TOL * max(1.0, float(np.abs(IO["out"]).max()))
+
+
+# ---------------------------------------------------------------- every key was compared
+
+
+def test_every_key_of_the_reference_files_was_compared(request):
+    """Runs last: the tests above record the keys they compared (or used as inputs). Skipped unless they all ran."""
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    defined = {name for name in dir(request.module) if name.startswith("test_")}
+    if selected != defined:
+        pytest.skip("needs every test of this file")
+    assert set(DIFFUSION) - {"cases"} - CHECKED["diffusion"] == set()
+    assert set(IO) - CHECKED["io"] == set()

@@ -57,31 +57,38 @@ def timestep_embedding(t, dim, kind=TIME_EMBEDDING):
 
     ``kind`` "ho": half = dim / 2, frequencies exp(-log(10000) * i / (half - 1)) for i = 0..half-1, then
     [sin, cos]. "pytorch_ddpm": frequencies exp(-log(10000) * 2i / dim), then sin and cos interleaved
-    (sin f0, cos f0, sin f1, ...), the rows of pytorch-ddpm's table. Computed per call: the table is not a
-    parameter and never reaches a checkpoint.
+    (sin f0, cos f0, sin f1, ...), the rows of pytorch-ddpm's table. "iddpm" (improved-diffusion): frequencies
+    exp(-log(10000) * i / half), then [cos, sin]. Computed per call: the table is not a parameter and never
+    reaches a checkpoint.
     """
     if dim % 2 or dim < 4:
         raise ValueError(f"timestep embedding dim must be even and >= 4, got {dim}")
     half = dim // 2
     steps = np.arange(half, dtype=np.float64)
-    freqs = np.exp(-math.log(10000.0) * (steps / (half - 1) if kind == "ho" else 2 * steps / dim))
+    exponents = {"ho": steps / (half - 1), "pytorch_ddpm": 2 * steps / dim, "iddpm": steps / half}[kind]
+    freqs = np.exp(-math.log(10000.0) * exponents)
     args = F.expand_dims(t.astype("float32"), 1) * Tensor(freqs[None, :].astype(np.float32))
     if kind == "ho":
         return F.concat([F.sin(args), F.cos(args)], axis=1)
+    if kind == "iddpm":
+        return F.concat([F.cos(args), F.sin(args)], axis=1)
     return F.stack([F.sin(args), F.cos(args)], axis=2).reshape(-1, dim)
 
 
 class ResBlock(M.Module):
     """GN, SiLU, conv3x3, + Linear(SiLU(temb)), GN, SiLU, dropout, conv3x3 (near zero), plus the skip.
 
+    With ``scale_shift`` (improved-diffusion's ``use_scale_shift_norm``, AdaGN) the projection gives 2 * out
+    values, scale first, and the second norm becomes GN(h) * (1 + scale) + shift instead of GN(h + temb).
     The skip is a 1x1 conv (Ho's ``nin_shortcut``) when the channel count changes, else identity.
     """
 
-    def __init__(self, in_channels, out_channels, temb_channels, dropout, norm=group_norm):
+    def __init__(self, in_channels, out_channels, temb_channels, dropout, norm=group_norm, scale_shift=False):
         super().__init__()
+        self.scale_shift = scale_shift
         self.norm1 = norm(in_channels)
         self.conv1 = conv2d(in_channels, out_channels)
-        self.temb_proj = linear(temb_channels, out_channels)
+        self.temb_proj = linear(temb_channels, 2 * out_channels if scale_shift else out_channels)
         self.norm2 = norm(out_channels)
         self.dropout = M.Dropout(dropout)
         self.conv2 = conv2d(out_channels, out_channels, init_scale=0.0)
@@ -89,18 +96,30 @@ class ResBlock(M.Module):
 
     def forward(self, x, temb):
         h = self.conv1(silu(self.norm1(x)))
-        h = h + F.expand_dims(self.temb_proj(silu(temb)), (2, 3))
-        h = self.conv2(self.dropout(silu(self.norm2(h))))
+        emb = F.expand_dims(self.temb_proj(silu(temb)), (2, 3))
+        if self.scale_shift:
+            scale, shift = F.split(emb, 2, axis=1)
+            h = self.norm2(h) * (1.0 + scale) + shift
+        else:
+            h = self.norm2(h + emb)
+        h = self.conv2(self.dropout(silu(h)))
         if self.skip is not None:
             x = self.skip(x)
         return x + h
 
 
 class AttnBlock(M.Module):
-    """Single-head self-attention over all positions: GN, 1x1 q/k/v, softmax(q k^T / sqrt(C)) v, 1x1 proj."""
+    """Self-attention over all positions: GN, 1x1 q/k/v, softmax(q k^T / sqrt(d)) v per head, 1x1 proj.
 
-    def __init__(self, channels, norm=group_norm):
+    ``num_heads`` heads of d = C / num_heads channels each; head i uses channels i*d .. (i+1)*d - 1 of q, k and
+    v (Ho's network: one head).
+    """
+
+    def __init__(self, channels, norm=group_norm, num_heads=1):
         super().__init__()
+        if num_heads < 1 or channels % num_heads:
+            raise ValueError(f"attention over {channels} channels cannot have {num_heads} heads")
+        self.num_heads = num_heads
         self.norm = norm(channels)
         self.q = conv2d(channels, channels, kernel_size=1)
         self.k = conv2d(channels, channels, kernel_size=1)
@@ -110,10 +129,11 @@ class AttnBlock(M.Module):
     def forward(self, x):
         n, c, height, width = x.shape
         h = self.norm(x)
-        q = self.q(h).reshape(n, c, height * width)
-        k = self.k(h).reshape(n, c, height * width)
-        v = self.v(h).reshape(n, c, height * width)
-        weights = F.softmax(F.matmul(q, k, transpose_a=True) * (c ** -0.5), axis=2)  # (n, query, key)
+        heads, d = self.num_heads, c // self.num_heads
+        q = self.q(h).reshape(n * heads, d, height * width)
+        k = self.k(h).reshape(n * heads, d, height * width)
+        v = self.v(h).reshape(n * heads, d, height * width)
+        weights = F.softmax(F.matmul(q, k, transpose_a=True) * (d ** -0.5), axis=2)  # (n * heads, query, key)
         h = F.matmul(v, weights, transpose_b=True).reshape(n, c, height, width)  # sum over keys
         return x + self.proj_out(h)
 

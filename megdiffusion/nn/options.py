@@ -13,6 +13,7 @@ DOWNSAMPLE_PADDINGS = ("bottom_right", "symmetric")
 DOWNSAMPLE_PADDING = "bottom_right"
 
 # The sinusoidal timestep embedding: "ho" is [sin | cos] with frequencies exp(-ln(1e4) i / (half - 1));
-# "pytorch_ddpm" interleaves sin and cos, with frequencies exp(-ln(1e4) 2i / dim).
-TIME_EMBEDDINGS = ("ho", "pytorch_ddpm")
+# "pytorch_ddpm" interleaves sin and cos, with frequencies exp(-ln(1e4) 2i / dim); "iddpm" (improved-diffusion)
+# is [cos | sin] with frequencies exp(-ln(1e4) i / half).
+TIME_EMBEDDINGS = ("ho", "pytorch_ddpm", "iddpm")
 TIME_EMBEDDING = "ho"

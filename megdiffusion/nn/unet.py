@@ -1,4 +1,6 @@
-"""The DDPM UNet of Ho et al. 2020 (``diffusion_tf/models/unet.py``), on MegEngine.
+"""The DDPM UNet of Ho et al. 2020 (``diffusion_tf/models/unet.py``), on MegEngine, with the options of
+improved-diffusion's UNet (Nichol & Dhariwal 2021): scale-shift norm, multi-head attention, its time embedding,
+and twice the output channels for a learned variance.
 
 Parameter names follow Ho's scopes: ``down.<level>.blocks.<i>``, ``down.<level>.attns.<i>``,
 ``down.<level>.downsample``, ``mid_block1``/``mid_attn``/``mid_block2``, ``up.<level>...`` (level 0 is the
@@ -67,8 +69,19 @@ class UpLevel(M.Module):
         return h
 
 
+def attention_heads(channels, num_heads=1, num_head_channels=0):
+    """Heads of an attention block over ``channels``: channels / num_head_channels when that is set, else
+    num_heads; ValueError when the channels do not split evenly."""
+    heads = channels // num_head_channels if num_head_channels else num_heads
+    if heads < 1 or channels % heads or (num_head_channels and channels % num_head_channels):
+        what = f"num_head_channels={num_head_channels}" if num_head_channels else f"num_heads={num_heads}"
+        raise ValueError(f"attention over {channels} channels cannot be split into heads with {what}")
+    return heads
+
+
 def check_config(model_channels, channel_mult, attention_resolutions, image_size, norm_groups=NORM_GROUPS,
-                 norm_eps=NORM_EPS, downsample_padding=DOWNSAMPLE_PADDING, time_embedding=TIME_EMBEDDING):
+                 norm_eps=NORM_EPS, downsample_padding=DOWNSAMPLE_PADDING, time_embedding=TIME_EMBEDDING, num_heads=1,
+                 num_head_channels=0, use_scale_shift_norm=False):
     """Raise ValueError (one line) for a UNet that cannot be built for ``image_size``."""
     if downsample_padding not in DOWNSAMPLE_PADDINGS:
         raise ValueError(f"downsample_padding must be one of {', '.join(DOWNSAMPLE_PADDINGS)}, "
@@ -87,9 +100,10 @@ def check_config(model_channels, channel_mult, attention_resolutions, image_size
                 f"model_channels * channel_mult must be positive multiples of norm_groups={norm_groups}; "
                 f"got model_channels={model_channels}, channel_mult={tuple(channel_mult)}"
             )
-    if all(model_channels * mult == norm_groups for mult in channel_mult):
+    if not use_scale_shift_norm and all(model_channels * mult == norm_groups for mult in channel_mult):
         # The time embedding is added per channel right before a GroupNorm: with one channel per group
-        # the normalisation subtracts it again, and a network that never sees t cannot denoise.
+        # the normalisation subtracts it again, and a network that never sees t cannot denoise (a scale and
+        # shift after the norm reach the output).
         raise ValueError(
             f"with model_channels * channel_mult == norm_groups={norm_groups} at every level the UNet "
             "cannot see the timestep; raise model_channels or channel_mult, or lower norm_groups"
@@ -107,6 +121,12 @@ def check_config(model_channels, channel_mult, attention_resolutions, image_size
             f"attention_resolutions {unused} never occur: with image_size={image_size} and "
             f"{len(channel_mult)} levels the resolutions are {resolutions}"
         )
+    if num_heads < 1 or num_head_channels < 0:
+        raise ValueError(f"num_heads must be >= 1 and num_head_channels >= 0, got {num_heads}, {num_head_channels}")
+    attended = [model_channels * mult for resolution, mult in zip(resolutions, channel_mult)
+                if resolution in attention_resolutions] + [model_channels * channel_mult[-1]]  # + the middle block
+    for channels in attended:
+        attention_heads(channels, num_heads, num_head_channels)
 
 
 class UNet(M.Module):
@@ -118,7 +138,10 @@ class UNet(M.Module):
     middle block. ``norm_groups`` and ``norm_eps`` set every GroupNorm (Ho: 32, 1e-6). The time embedding is
     added per channel before a GroupNorm, so it only reaches the output through levels with more than one
     channel per group; small models (the CPU recipe) use fewer groups. ``downsample_padding`` and
-    ``time_embedding`` choose between Ho's network (the defaults) and pytorch-ddpm's (``nn.options``).
+    ``time_embedding`` choose between Ho's network (the defaults), pytorch-ddpm's and improved-diffusion's
+    (``nn.options``). improved-diffusion's options: ``use_scale_shift_norm`` (AdaGN in every residual block),
+    ``num_heads`` heads in every attention block, or heads of ``num_head_channels`` channels each when that is
+    set, and ``out_channels`` = 2 * in_channels for a learned variance.
     """
 
     def __init__(
@@ -135,14 +158,22 @@ class UNet(M.Module):
         norm_eps=NORM_EPS,
         downsample_padding=DOWNSAMPLE_PADDING,
         time_embedding=TIME_EMBEDDING,
+        use_scale_shift_norm=False,
+        num_heads=1,
+        num_head_channels=0,
     ):
         super().__init__()
         check_config(model_channels, channel_mult, attention_resolutions, image_size, norm_groups, norm_eps,
-                     downsample_padding, time_embedding)
+                     downsample_padding, time_embedding, num_heads, num_head_channels, use_scale_shift_norm)
         self.model_channels = model_channels
         self.image_size = image_size
         self.time_embedding = time_embedding
         norm = functools.partial(group_norm, groups=norm_groups, eps=norm_eps)
+        block = functools.partial(ResBlock, dropout=dropout, norm=norm, scale_shift=use_scale_shift_norm)
+
+        def attention(channels):
+            return AttnBlock(channels, norm, attention_heads(channels, num_heads, num_head_channels))
+
         temb_channels = 4 * model_channels
         self.temb_dense0 = linear(model_channels, temb_channels)
         self.temb_dense1 = linear(temb_channels, temb_channels)
@@ -157,10 +188,10 @@ class UNet(M.Module):
             blocks, attns = [], []
             for _ in range(num_res_blocks):
                 out = model_channels * mult
-                blocks.append(ResBlock(channels, out, temb_channels, dropout, norm))
+                blocks.append(block(channels, out, temb_channels))
                 channels = out
                 if resolution in attention_resolutions:
-                    attns.append(AttnBlock(channels, norm))
+                    attns.append(attention(channels))
                 skip_channels.append(channels)
             downsample = None
             if level != len(channel_mult) - 1:
@@ -168,9 +199,9 @@ class UNet(M.Module):
                 skip_channels.append(channels)
             self.down.append(DownLevel(blocks, attns, downsample))
 
-        self.mid_block1 = ResBlock(channels, channels, temb_channels, dropout, norm)
-        self.mid_attn = AttnBlock(channels, norm)
-        self.mid_block2 = ResBlock(channels, channels, temb_channels, dropout, norm)
+        self.mid_block1 = block(channels, channels, temb_channels)
+        self.mid_attn = attention(channels)
+        self.mid_block2 = block(channels, channels, temb_channels)
 
         up_levels = []
         for level, mult in reversed(list(enumerate(channel_mult))):
@@ -178,10 +209,10 @@ class UNet(M.Module):
             blocks, attns = [], []
             for _ in range(num_res_blocks + 1):
                 out = model_channels * mult
-                blocks.append(ResBlock(channels + skip_channels.pop(), out, temb_channels, dropout, norm))
+                blocks.append(block(channels + skip_channels.pop(), out, temb_channels))
                 channels = out
                 if resolution in attention_resolutions:
-                    attns.append(AttnBlock(channels, norm))
+                    attns.append(attention(channels))
             up_levels.append(UpLevel(blocks, attns, Upsample(channels) if level != 0 else None))
         assert not skip_channels
         self.up = up_levels[::-1]  # indexed by level, like down; forward walks it in reverse
@@ -189,18 +220,26 @@ class UNet(M.Module):
         self.norm_out = norm(channels)
         self.conv_out = conv2d(channels, out_channels or in_channels, init_scale=0.0)
 
-    def forward(self, x, t):
+    def embed_time(self, t):
+        """The time embedding (N, 4 * model_channels) of timesteps t (N,), integer or fractional."""
+        temb = timestep_embedding(t, self.model_channels, self.time_embedding)
+        return self.temb_dense1(silu(self.temb_dense0(temb)))
+
+    def encode(self, x, temb):
+        """The down path and the middle block: (the middle block's output, every output the up path takes,
+        starting with conv_in's)."""
         if x.ndim != 4 or x.shape[2] != self.image_size or x.shape[3] != self.image_size:
             raise ValueError(
                 f"UNet built for {self.image_size}x{self.image_size} inputs got shape {tuple(x.shape)}"
             )
-        temb = timestep_embedding(t, self.model_channels, self.time_embedding)
-        temb = self.temb_dense1(silu(self.temb_dense0(temb)))
-
         hs = [self.conv_in(x)]
         for level in self.down:
             hs.extend(level(hs[-1], temb))
-        h = self.mid_block2(self.mid_attn(self.mid_block1(hs[-1], temb)), temb)
+        return self.mid_block2(self.mid_attn(self.mid_block1(hs[-1], temb)), temb), hs
+
+    def forward(self, x, t):
+        temb = self.embed_time(t)
+        h, hs = self.encode(x, temb)
         for level in reversed(self.up):
             h = level(h, temb, hs)
         return self.conv_out(silu(self.norm_out(h)))

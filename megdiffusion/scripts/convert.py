@@ -1,7 +1,8 @@
 """Convert a published DDPM checkpoint: ``python -m megdiffusion.scripts.convert SRC OUT [--format auto|...] [--ema]``.
 
 SRC: a diffusers ``UNet2DModel`` directory, pesser/pytorch_diffusion's (and ddim's) ``model-*.ckpt``,
-pytorch-ddpm's ``ckpt.pt`` or a MegEngine/MegDiffusion ``.pkl``; the format is read from the content
+pytorch-ddpm's ``ckpt.pt``, a MegEngine/MegDiffusion ``.pkl`` or an improved-diffusion ``.pt`` (its model or EMA
+files, e.g. ``cifar10_uncond_50M_500K.pt``); the format is read from the content
 (``megdiffusion.formats``). OUT: a megdiffusion checkpoint with its config inside, for ``scripts.sample --ckpt``,
 ``scripts.fid --ckpt`` and ``scripts.train --init_from``. Every tensor maps onto one parameter and every
 parameter is filled, or nothing is written. Bad input: one ``error:`` line, exit code 2.
@@ -13,6 +14,7 @@ from absl import app, flags
 from megdiffusion.cli import UsageError, megengine_failures, one_line_errors, parse_flags
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import VAR_TYPES
+from megdiffusion.diffusion.schedules import SCHEDULES
 from megdiffusion.fileio import check_writable
 from megdiffusion.formats import CHANNEL_ORDERS, FORMATS
 
@@ -26,6 +28,12 @@ flags.DEFINE_integer("norm_groups", None, "GroupNorm groups, for files that do n
                      "pesser's, ddim's and pytorch-ddpm's code use).")
 flags.DEFINE_enum("var_type", None, VAR_TYPES, "Sampling variance, for networks whose files do not record it and "
                   "that are not a published model.")
+flags.DEFINE_integer("num_heads", None, "Attention heads, for improved-diffusion networks that are not a published "
+                     "model.")
+flags.DEFINE_integer("num_timesteps", None, "Diffusion steps T, for files that do not record it and are not a "
+                     "published model (default 1000).")
+flags.DEFINE_enum("beta_schedule", None, SCHEDULES, "Beta schedule, for improved-diffusion files that are not a "
+                  "published model (default linear).")
 flags.DEFINE_enum("channel_order", None, CHANNEL_ORDERS, "The channel order the network takes (converted to RGB); "
                   "needed for MegEngine-port files other than its hub's.")
 
@@ -43,14 +51,17 @@ def main(argv):
             raise UsageError(f"{out} exists; give a new path (convert overwrites nothing)")
         check_writable(out, "OUT", directory=False)  # before the conversion, not after it
         cfg, weights, record = formats.convert(src, FLAGS.format, FLAGS.ema, FLAGS.image_size, FLAGS.norm_groups,
-                                               FLAGS.var_type, FLAGS.channel_order)
+                                               FLAGS.var_type, FLAGS.channel_order, FLAGS.num_heads,
+                                               FLAGS.num_timesteps, FLAGS.beta_schedule)
         checkpoint.save_checkpoint(out, checkpoint.weights_snapshot(cfg, weights, record))
     count = sum(array.size for array in weights.values())
     print(f"wrote {out}: {record['format']} {record['weights']} of {src} ({record['channel_order'].upper()}), "
           f"{count:,} parameters, {cfg.image_size}x{cfg.image_size}x{cfg.image_channels}; "
-          f"{cfg.beta_schedule} betas, T={cfg.num_timesteps}, {cfg.mean_type}, {cfg.var_type}; downsample padding "
-          f"{cfg.downsample_padding}, time embedding {cfg.time_embedding}, GroupNorm {cfg.norm_groups} groups "
-          f"eps {cfg.norm_eps:g}")
+          f"{cfg.beta_schedule} betas, T={cfg.num_timesteps}, {cfg.mean_type}, {cfg.var_type}"
+          f"{', rescaled timesteps' if cfg.rescale_timesteps else ''}; downsample padding {cfg.downsample_padding}, "
+          f"time embedding {cfg.time_embedding}, GroupNorm {cfg.norm_groups} groups eps {cfg.norm_eps:g}, "
+          f"{cfg.num_heads} attention head{'s' if cfg.num_heads > 1 else ''}"
+          f"{', scale-shift norm' if cfg.use_scale_shift_norm else ''}")
 
 
 def run():

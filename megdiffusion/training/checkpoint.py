@@ -33,10 +33,12 @@ from megdiffusion.torch_archive import WeightsError, load_array_pickle
 CHECKPOINT_DIR = "checkpoints"
 REQUIRED_KEYS = ("step", "config", "model", "ema", "optimizer", "loader")
 # Config fields that define the network: weights fit (and compute the same function) only where these agree.
+# (The output channels follow var_type: ``load_init`` compares them too.)
 NETWORK_FIELDS = ("image_size", "image_channels", "model_channels", "channel_mult", "num_res_blocks",
-                  "attention_resolutions", "norm_groups", "norm_eps", "downsample_padding", "time_embedding")
+                  "attention_resolutions", "norm_groups", "norm_eps", "downsample_padding", "time_embedding",
+                  "use_scale_shift_norm", "num_heads", "num_head_channels", "rescale_timesteps")
 # Config fields a resumed run must share with its checkpoint (the network and the maths).
-RECIPE_FIELDS = NETWORK_FIELDS + ("num_timesteps", "beta_schedule", "mean_type", "var_type")
+RECIPE_FIELDS = NETWORK_FIELDS + ("num_timesteps", "beta_schedule", "mean_type", "var_type", "loss_type")
 RNG_SCHEME = "numpy default_rng([seed, rank, step])"  # trainer.step_rng
 _NAME = re.compile(r"^ckpt_(\d+)\.pkl$")
 
@@ -182,8 +184,13 @@ def weights_snapshot(cfg, weights, source):
 def load_init(cfg):
     """The checkpoint ``cfg.init_from`` names (a file or a logdir's newest), checked to hold ``cfg``'s network:
     ``(state, path)``."""
+    from megdiffusion.training.config import output_channels
+
     state, path = load_file_or_newest(cfg.init_from)
-    changed = differences(config_of(state, path), cfg, NETWORK_FIELDS)
+    stored = config_of(state, path)
+    changed = differences(stored, cfg, NETWORK_FIELDS)
+    if output_channels(stored) != output_channels(cfg):
+        changed["var_type"] = f"--var_type={stored.var_type} ({output_channels(stored)} output channels)"
     if changed:
         raise CheckpointError(f"--init_from {cfg.init_from} holds a network with different {', '.join(changed)} "
                               f"({' '.join(changed.values())}); set those flags")

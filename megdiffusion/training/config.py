@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional, Tuple
 
 from megdiffusion.data.datasets import DATASETS
-from megdiffusion.diffusion.choices import MEAN_TYPES, SAMPLERS, VAR_TYPES
+from megdiffusion.diffusion.choices import LEARNED_VAR_TYPES, LOSS_TYPES, MEAN_TYPES, SAMPLERS, VAR_TYPES
 from megdiffusion.diffusion.schedules import SCHEDULES
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.nn.options import DOWNSAMPLE_PADDING, DOWNSAMPLE_PADDINGS, NORM_EPS, NORM_GROUPS, TIME_EMBEDDING, \
@@ -67,15 +67,26 @@ class TrainConfig:
                                     "column at the bottom and right (Ho's TF 'SAME') or one on every side "
                                     "(pytorch-ddpm; checkpoints written before this flag).",
                                     choices=DOWNSAMPLE_PADDINGS, absent="symmetric")
-    time_embedding: str = _flag(TIME_EMBEDDING, "Timestep sinusoid: Ho's [sin | cos], or pytorch-ddpm's interleaved "
-                                "table.", choices=TIME_EMBEDDINGS)
+    time_embedding: str = _flag(TIME_EMBEDDING, "Timestep sinusoid: Ho's [sin | cos], pytorch-ddpm's interleaved "
+                                "table, or improved-diffusion's [cos | sin].", choices=TIME_EMBEDDINGS)
+    use_scale_shift_norm: bool = _flag(False, "Residual blocks apply the time embedding as a scale and shift of the "
+                                       "second GroupNorm (improved-diffusion's AdaGN) instead of adding it.")
+    num_heads: int = _flag(1, "Heads of every attention block (Ho: 1; improved-diffusion: 4).", min=1)
+    num_head_channels: int = _flag(0, "Channels per attention head, the head count following the width; 0: use "
+                                   "--num_heads.", min=0)
     # Diffusion
     num_timesteps: int = _flag(1000, "Number of diffusion steps T.")
     beta_schedule: str = _flag("linear", "Beta schedule.", choices=SCHEDULES)
     mean_type: str = _flag("eps", "What the network predicts: the noise, x_0 or the mean of x_{t-1}.",
                            choices=MEAN_TYPES)
-    var_type: str = _flag("fixedlarge", "Reverse-process variance: beta_t or the posterior variance.",
-                          choices=VAR_TYPES)
+    var_type: str = _flag("fixedlarge", "Reverse-process variance: beta_t, the posterior variance, or learned by the "
+                          "network (twice the output channels): interpolated between the two in the log domain "
+                          "(improved-diffusion's learned_range) or the log variance itself.", choices=VAR_TYPES)
+    loss_type: str = _flag("mse", "mse: L_simple (for a learned variance plus the unweighted vb term); hybrid: "
+                           "L_simple + vb * T / 1000 (L_simple + 0.001 L_vlb; needs a learned --var_type).",
+                           choices=LOSS_TYPES)
+    rescale_timesteps: bool = _flag(False, "The network sees t * 1000 / T (fractional) instead of t, as "
+                                    "improved-diffusion's models do.")
     # Optimisation
     lr: float = _flag(2e-4, "Adam learning rate after warmup.", above=0)
     warmup_steps: int = _flag(5000, "Steps of linear learning-rate warmup from 0.", min=0)
@@ -226,7 +237,8 @@ def validate(cfg):
         raise ConfigError(f"--batch_size: {err}; the global batch is split evenly across ranks") from None
     try:
         check_unet_config(cfg.model_channels, cfg.channel_mult, cfg.attention_resolutions, cfg.image_size,
-                          cfg.norm_groups, cfg.norm_eps, cfg.downsample_padding, cfg.time_embedding)
+                          cfg.norm_groups, cfg.norm_eps, cfg.downsample_padding, cfg.time_embedding, cfg.num_heads,
+                          cfg.num_head_channels, cfg.use_scale_shift_norm)
     except ValueError as err:
         raise ConfigError(f"bad model flags: {err}") from None
     try:
@@ -245,10 +257,17 @@ def build_model(cfg):
     from megdiffusion.nn import UNet
 
     return UNet(in_channels=cfg.image_channels, model_channels=cfg.model_channels,
-                channel_mult=tuple(cfg.channel_mult), num_res_blocks=cfg.num_res_blocks,
-                attention_resolutions=tuple(cfg.attention_resolutions), dropout=cfg.dropout,
-                image_size=cfg.image_size, norm_groups=cfg.norm_groups, norm_eps=cfg.norm_eps,
-                downsample_padding=cfg.downsample_padding, time_embedding=cfg.time_embedding)
+                out_channels=output_channels(cfg), channel_mult=tuple(cfg.channel_mult),
+                num_res_blocks=cfg.num_res_blocks, attention_resolutions=tuple(cfg.attention_resolutions),
+                dropout=cfg.dropout, image_size=cfg.image_size, norm_groups=cfg.norm_groups, norm_eps=cfg.norm_eps,
+                downsample_padding=cfg.downsample_padding, time_embedding=cfg.time_embedding,
+                use_scale_shift_norm=cfg.use_scale_shift_norm, num_heads=cfg.num_heads,
+                num_head_channels=cfg.num_head_channels)
+
+
+def output_channels(cfg):
+    """The network's output channels: the image channels, twice that when it learns the variance."""
+    return cfg.image_channels * (2 if cfg.var_type in LEARNED_VAR_TYPES else 1)
 
 
 def build_diffusion(cfg):
@@ -256,7 +275,8 @@ def build_diffusion(cfg):
     from megdiffusion.diffusion import GaussianDiffusion, make_beta_schedule
 
     betas = make_beta_schedule(cfg.beta_schedule, cfg.num_timesteps)
-    return GaussianDiffusion(betas, mean_type=cfg.mean_type, var_type=cfg.var_type)
+    return GaussianDiffusion(betas, mean_type=cfg.mean_type, var_type=cfg.var_type, loss_type=cfg.loss_type,
+                             rescale_timesteps=cfg.rescale_timesteps)
 
 
 def define_flags(flag_values):
