@@ -32,6 +32,7 @@ setup(
             "megdiffusion-fid=megdiffusion.scripts.fid:run",
             "megdiffusion-demo=megdiffusion.scripts.demo:run",
             "megdiffusion-convert=megdiffusion.scripts.convert:run",
+            "megdiffusion-nll=megdiffusion.scripts.nll:run",
         ]
     },
 )

@@ -16,19 +16,20 @@ def image_seed(seed, index):
 
 
 def generate_images(model, diffusion, image_shape, indices, seed, sampler="ddpm", steps=None, eta=0.0,
-                    batch_size=64, progress=None):
+                    batch_size=64, progress=None, respacing=None):
     """Sample the images ``indices`` of a run (each from ``image_seed(seed, i)``) as uint8 NHWC.
 
-    ``image_shape`` is (C, H, W); ``progress`` is an optional tqdm bar advanced per image. Bad sampler
-    settings raise ValueError (``GaussianDiffusion.check_sampling``), even for no indices.
+    ``image_shape`` is (C, H, W); ``progress`` is an optional tqdm bar advanced per image; ``respacing`` (instead
+    of ``steps``): see ``GaussianDiffusion.sample``. Bad sampler settings raise ValueError
+    (``GaussianDiffusion.check_sampling``), even for no indices.
     """
-    diffusion.check_sampling(sampler, steps, eta)
+    diffusion.check_sampling(sampler, steps, eta, respacing)
     indices = list(indices)
     out = []
     for start in range(0, len(indices), batch_size):
         chunk = indices[start:start + batch_size]
         x = diffusion.sample(model, (len(chunk),) + tuple(image_shape), sampler=sampler, steps=steps, eta=eta,
-                             seeds=[image_seed(seed, i) for i in chunk])
+                             seeds=[image_seed(seed, i) for i in chunk], respacing=respacing)
         out.append(to_uint8(x))
         if progress is not None:
             progress.update(len(chunk))

@@ -37,6 +37,7 @@ class SampleJob:
     seed: int = 0
     sampler: str = "ddpm"
     steps: Optional[int] = None
+    respacing: Optional[str] = None  # instead of steps: improved-diffusion's spacing ("50", "ddim50", "10,15,20")
     eta: float = 0.0
     batch_size: int = 64  # per process
     ema: bool = True
@@ -46,7 +47,7 @@ class SampleJob:
     def manifest(self, step):
         """The settings that decide the images (``manifest.json``): a directory never mixes two of them."""
         return {"checkpoint": os.path.abspath(self.ckpt), "step": step, "ema": self.ema, "sampler": self.sampler,
-                "steps": self.steps, "eta": self.eta, "seed": self.seed}
+                "steps": self.steps, "respacing": self.respacing, "eta": self.eta, "seed": self.seed}
 
 
 def run_job(job, num_gpus=1):
@@ -56,7 +57,7 @@ def run_job(job, num_gpus=1):
     distributed.check_launch(num_gpus)
     loaded = load_model(job.ckpt, job.ema)
     _, diffusion, _, step = loaded
-    check_sampler(diffusion, job.sampler, job.steps, job.eta)
+    check_sampler(diffusion, job.sampler, job.steps, job.eta, job.respacing)
     with output_directory(job.output, "--output", MANIFEST):
         prepare_output(job.output, job.manifest(step))
         if num_gpus == 1:
@@ -75,7 +76,7 @@ def sample_share(job, loaded=None):
     model, diffusion, cfg, _ = loaded or load_model(job.ckpt, job.ema)
     rank, world_size = distributed.rank_and_world()
     return sample_to_directory(model, diffusion, cfg.image_shape, job.output, job.num_images, job.seed, job.sampler,
-                               job.steps, job.eta, job.batch_size, rank, world_size, job.progress)
+                               job.steps, job.eta, job.batch_size, rank, world_size, job.progress, job.respacing)
 
 
 def load_model(ckpt_or_logdir, ema=True):
@@ -92,10 +93,10 @@ def load_model(ckpt_or_logdir, ema=True):
     return model, build_diffusion(cfg), cfg, state["step"]
 
 
-def check_sampler(diffusion, sampler, steps, eta=0.0):
+def check_sampler(diffusion, sampler, steps, eta=0.0, respacing=None):
     """``diffusion.check_sampling`` for the scripts, before any work: ``SamplingError`` instead of ValueError."""
     try:
-        diffusion.check_sampling(sampler, steps, eta)
+        diffusion.check_sampling(sampler, steps, eta, respacing)
     except ValueError as err:
         raise SamplingError(str(err)) from None
 
@@ -132,7 +133,7 @@ def missing_indices(output, num_images, rank=0, world_size=1):
 
 
 def sample_to_directory(model, diffusion, image_shape, output, num_images, seed, sampler="ddpm", steps=None,
-                        eta=0.0, batch_size=64, rank=0, world_size=1, progress=True):
+                        eta=0.0, batch_size=64, rank=0, world_size=1, progress=True, respacing=None):
     """Write this rank's missing images ``000000.png ...`` into ``output``; returns how many it wrote.
 
     Each PNG is written atomically as soon as its batch is done, so an interrupted run loses at most
@@ -145,7 +146,7 @@ def sample_to_directory(model, diffusion, image_shape, output, num_images, seed,
         for start in range(0, len(todo), batch_size):
             chunk = todo[start:start + batch_size]
             images = generate_images(model, diffusion, image_shape, chunk, seed, sampler, steps, eta,
-                                     batch_size, progress=bar)
+                                     batch_size, progress=bar, respacing=respacing)
             for index, image in zip(chunk, images):
                 save_png(image_path(output, index), image)
     return len(todo)

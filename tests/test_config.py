@@ -6,7 +6,7 @@ import pytest
 from absl import flags
 
 from megdiffusion.data.datasets import DATASETS
-from megdiffusion.diffusion.choices import MEAN_TYPES, SAMPLERS, VAR_TYPES
+from megdiffusion.diffusion.choices import LOSS_TYPES, MEAN_TYPES, SAMPLERS, VAR_TYPES
 from megdiffusion.diffusion.schedules import SCHEDULES
 from megdiffusion.nn.options import DOWNSAMPLE_PADDINGS, TIME_EMBEDDINGS
 from megdiffusion.training import config
@@ -22,6 +22,11 @@ from megdiffusion.training.config import ConfigError, TrainConfig
     (dict(channel_mult=(1, 2), image_size=9), "bad model flags: image_size=9 must be divisible by"),
     (dict(num_timesteps=20), "bad diffusion flags: the linear schedule needs num_timesteps > 20"),
     (dict(sample_every=10, sample_steps=41), "--sample_steps: steps must be an integer between 1 and T=40, got 41"),
+    (dict(loss_type="hybrid"), "bad diffusion flags: loss_type 'hybrid' weights the vb term that trains a learned "
+                               "variance; var_type 'fixedlarge' learns none"),
+    (dict(num_heads=3), "bad model flags: attention over 32 channels cannot be split into heads with num_heads=3"),
+    (dict(num_head_channels=12), "bad model flags: attention over 32 channels cannot be split into heads with "
+                                 "num_head_channels=12"),
 ])
 def test_validate_names_the_flag_to_change(tiny_config, changes, message):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(")):
@@ -52,13 +57,14 @@ def test_every_bound_is_checked_and_inclusive_bounds_pass(tiny_config):
 
 @pytest.mark.parametrize("name, choices", [("dataset", DATASETS), ("beta_schedule", SCHEDULES),
                                            ("mean_type", MEAN_TYPES), ("var_type", VAR_TYPES),
-                                           ("sample_sampler", SAMPLERS), ("downsample_padding", DOWNSAMPLE_PADDINGS),
+                                           ("loss_type", LOSS_TYPES), ("sample_sampler", SAMPLERS),
+                                           ("downsample_padding", DOWNSAMPLE_PADDINGS),
                                            ("time_embedding", TIME_EMBEDDINGS)])
 def test_choices_come_from_the_code_that_implements_them(tiny_config, name, choices):
     field = next(f for f in dataclasses.fields(TrainConfig) if f.name == name)
     assert field.metadata["choices"] == choices
-    for choice in choices:  # each builds a diffusion and passes the sampler check
-        config.validate(tiny_config(**{name: choice}, sample_every=10, sample_steps=4))
+    for choice in choices:  # each builds a diffusion and passes the sampler check (hybrid: with a learned variance)
+        config.validate(tiny_config(**{"var_type": "learned_range", name: choice}, sample_every=10, sample_steps=4))
     with pytest.raises(ConfigError, match=f"--{name} must be one of"):
         config.validate(tiny_config(**{name: "nope"}))
 
@@ -68,6 +74,9 @@ def test_flags_list_the_choices_and_bounds():
     config.define_flags(flag_values)
     assert "<fashion_mnist|cifar10|folder|npz>" in flag_values["dataset"].help
     assert flag_values["ema_decay"].help.endswith("Must be >= 0 and < 1.")
+    assert "<fixedlarge|fixedsmall|learned_range|learned>" in flag_values["var_type"].help
+    assert "<mse|hybrid>" in flag_values["loss_type"].help and "<ho|pytorch_ddpm|iddpm>" in \
+        flag_values["time_embedding"].help
     with pytest.raises(flags.IllegalFlagValueError, match="should be one of <ddpm|ddim>"):
         flag_values(["train", "--sample_sampler=euler"])
 
@@ -91,8 +100,12 @@ def test_a_stored_config_without_a_later_field_means_what_it_meant_then():
     values = TrainConfig().to_dict()
     assert TrainConfig().downsample_padding == "bottom_right"  # new models: Ho's padding
     del values["downsample_padding"], values["time_embedding"], values["norm_eps"]
+    improved = ("use_scale_shift_norm", "num_heads", "num_head_channels", "loss_type", "rescale_timesteps")
+    for name in improved:
+        del values[name]
     old = TrainConfig.from_dict(values)  # a checkpoint written before these fields existed
     assert (old.downsample_padding, old.time_embedding, old.norm_eps) == ("symmetric", "ho", 1e-6)
+    assert [getattr(old, name) for name in improved] == [False, 1, 0, "mse", False]  # Ho's network and loss
     assert TrainConfig.from_dict(TrainConfig(downsample_padding="symmetric").to_dict()).downsample_padding == \
         "symmetric"
 

@@ -14,7 +14,7 @@ from megengine.autodiff import GradManager  # noqa: E402
 from megengine.optimizer import Adam  # noqa: E402
 
 from megdiffusion.diffusion import GaussianDiffusion, make_beta_schedule  # noqa: E402
-from megdiffusion.diffusion.spacing import timestep_subsequence  # noqa: E402
+from megdiffusion.diffusion.spacing import sampling_timesteps, space_timesteps, timestep_subsequence  # noqa: E402
 from megdiffusion.nn.layers import timestep_embedding  # noqa: E402
 
 
@@ -67,6 +67,10 @@ def test_bad_diffusion_arguments_raise():
         GaussianDiffusion(betas, var_type="learnt")
     with pytest.raises(ValueError, match="between 0 and 1"):
         GaussianDiffusion(np.append(betas, 1.0))
+    with pytest.raises(ValueError, match="loss_type 'hybrid' weights the vb term"):
+        GaussianDiffusion(betas, var_type="fixedsmall", loss_type="hybrid")
+    with pytest.raises(ValueError, match="loss_type"):
+        GaussianDiffusion(betas, var_type="learned_range", loss_type="kl")
 
 
 # ---------------------------------------------------------------- closed forms
@@ -185,6 +189,71 @@ def test_training_loss_draws_timesteps_in_range():
     assert seen.dtype == np.int32 and seen.min() >= 0 and seen.max() <= 99 and len(set(seen)) > 50
 
 
+def learned_output(rng, shape):
+    """A fixed model output for a learned variance: eps, then variance values v in (-1.5, 1.5)."""
+    return tensor(np.concatenate([rng.standard_normal(shape), rng.uniform(-1.5, 1.5, shape)], axis=1))
+
+
+@pytest.mark.parametrize("var_type", ["learned_range", "learned"])
+def test_learned_variances(var_type):
+    betas = make_beta_schedule("cosine", 100)
+    d = GaussianDiffusion(betas, var_type=var_type)
+    rng = np.random.default_rng(0)
+    output, x_t = learned_output(rng, (3, 2, 2, 2)), tensor(rng.standard_normal((3, 2, 2, 2)))
+    t = np.array([0, 1, 99])
+    p = d.p_mean_variance(output, x_t, t, clip_denoised=False)
+    v = output.numpy()[:, 2:]
+    if var_type == "learned":
+        expected = v
+    else:  # log-domain interpolation between beta_t (v = 1) and the clipped posterior variance (v = -1)
+        frac = (v + 1) / 2
+        expected = (frac * np.log(betas[t])[:, None, None, None]
+                    + (1 - frac) * d.posterior_log_variance_clipped[t][:, None, None, None])
+    np.testing.assert_allclose(p["log_variance"].numpy(), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(p["variance"].numpy(), np.exp(expected), rtol=1e-5)
+    fixed = GaussianDiffusion(betas).p_mean_variance(output[:, :2], x_t, t, clip_denoised=False)
+    np.testing.assert_allclose(p["mean"].numpy(), fixed["mean"].numpy(), atol=1e-6)  # v does not move the mean
+
+
+def test_hybrid_weights_the_vb_term_by_t_over_1000_and_mse_does_not():
+    betas = make_beta_schedule("cosine", 2000)
+    rng = np.random.default_rng(1)
+    x0 = tensor(np.round(rng.uniform(-1, 1, (4, 2, 3, 3)) * 127.5) / 127.5)
+    noise, t = tensor(rng.standard_normal((4, 2, 3, 3))), np.array([0, 5, 900, 1999])
+    output = learned_output(rng, (4, 2, 3, 3))
+    terms = {loss: GaussianDiffusion(betas, var_type="learned_range", loss_type=loss).training_losses(
+        lambda x, ts: output, x0, t, noise) for loss in ("mse", "hybrid")}
+    np.testing.assert_allclose(terms["mse"]["mse"].numpy(), terms["hybrid"]["mse"].numpy())
+    np.testing.assert_allclose(terms["hybrid"]["vb"].numpy(), 2.0 * terms["mse"]["vb"].numpy(), rtol=1e-6)
+    for loss in terms.values():
+        np.testing.assert_allclose(loss["loss"].numpy(), (loss["mse"] + loss["vb"]).numpy(), rtol=1e-6)
+    eps = output.numpy()[:, :2]
+    np.testing.assert_allclose(terms["mse"]["mse"].numpy(), ((eps - noise.numpy()) ** 2).reshape(4, -1).mean(1),
+                               rtol=1e-5)
+    assert "vb" not in GaussianDiffusion(betas).training_losses(lambda x, ts: output[:, :2], x0, t, noise)
+
+
+def test_the_bound_of_a_perfect_denoiser_is_the_prior_plus_its_decoder_term():
+    # A model that knows x_0 makes every KL term 0 for t > 0 with the true posterior variance (learned: v = the
+    # clipped posterior log variance); what remains is the decoder NLL at t = 0 and the prior.
+    d = GaussianDiffusion(make_beta_schedule("linear", 50), mean_type="xstart", var_type="learned")
+    rng = np.random.default_rng(2)
+    x0 = np.round(rng.uniform(-1, 1, (2, 1, 4, 4)) * 127.5).astype(np.float32) / 127.5
+
+    def perfect(x, t):
+        log_variance = d.posterior_log_variance_clipped[t.numpy()].astype(np.float32)
+        return tensor(np.concatenate([x0, np.broadcast_to(log_variance[:, None, None, None], x0.shape)], axis=1))
+
+    result = d.calc_bpd_loop(perfect, tensor(x0))
+    assert np.abs(result["vb"][:, 1:]).max() < 1e-4 and result["vb"].shape == (2, 50)
+    np.testing.assert_allclose(result["total_bpd"], result["vb"][:, 0] + result["prior_bpd"], rtol=1e-6)
+    sigma = math.exp(0.5 * d.posterior_log_variance_clipped[0])  # the decoder's N(x_0, sigma^2) on bins of 2/255
+    erf_mass = math.erf((1 / 255) / (sigma * math.sqrt(2)))
+    interior = (np.abs(x0) < 0.999).reshape(2, -1)
+    expected = np.where(interior, -math.log2(erf_mass), -math.log2(0.5 * (1 + erf_mass))).mean(axis=1)
+    np.testing.assert_allclose(result["vb"][:, 0], expected, rtol=2e-3)  # tanh approximation of the CDF
+
+
 # ---------------------------------------------------------------- samplers
 
 
@@ -195,6 +264,55 @@ def test_timestep_subsequence():
     for bad in (0, 11, 2.5):
         with pytest.raises(ValueError):
             timestep_subsequence(10, bad)
+
+
+def test_respacing_specs():
+    assert space_timesteps(10, "3") == [0, 4, 9] and space_timesteps(10, "ddim5") == [0, 2, 4, 6, 8]
+    assert space_timesteps(10, "1,2") == [0, 5, 9]  # the first section keeps 1, the second its ends
+    assert sampling_timesteps(10, steps=3) == [0, 3, 6] and sampling_timesteps(10) == list(range(10))
+    for spec, message in (("abc", "respacing must be"), ("0", "respacing must be"), ("11", "cannot keep 11"),
+                          ("ddim7", "no integer stride gives exactly 7"), ("3,3,3,3,3,3", "cannot keep 3")):
+        with pytest.raises(ValueError, match=message):
+            space_timesteps(10, spec)
+    with pytest.raises(ValueError, match="not both"):
+        sampling_timesteps(10, steps=3, respacing="3")
+
+
+@pytest.mark.parametrize("sampler", ["ddpm", "ddim"])
+def test_a_respaced_learned_variance_chain_feeds_the_model_its_rescaled_original_timesteps(sampler):
+    d = GaussianDiffusion(make_beta_schedule("cosine", 400), var_type="learned_range", rescale_timesteps=True)
+    seen = []
+
+    def model(x, t):
+        seen.append(t.numpy())
+        return F.concat([x * 0.1, F.zeros_like(x)], axis=1)
+
+    d.sample(model, (2, 1, 2, 2), sampler=sampler, respacing="5", seeds=[0, 1])
+    kept = space_timesteps(400, "5")
+    np.testing.assert_array_equal(np.stack(seen), np.repeat(np.array(kept[::-1])[:, None] * 2.5, 2, axis=1))
+    assert np.stack(seen).dtype == np.float32
+
+
+def test_ddim_ignores_the_learned_variance():
+    betas = make_beta_schedule("linear", 100)
+    learned, fixed = GaussianDiffusion(betas, var_type="learned_range"), GaussianDiffusion(betas)
+
+    def with_variance(x, t):
+        return F.concat([toy_model(x, t), F.sin(x * 7)], axis=1)
+
+    a = learned.sample(with_variance, (1, 1, 2, 2), "ddim", steps=10, eta=0.5, seeds=[4]).numpy()
+    b = fixed.sample(toy_model, (1, 1, 2, 2), "ddim", steps=10, eta=0.5, seeds=[4]).numpy()
+    np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("sampler", ["ddpm", "ddim"])
+def test_one_step_returns_the_clipped_prediction_of_x0(sampler):
+    d = GaussianDiffusion(make_beta_schedule("linear", 100))
+    x = np.random.default_rng(5).standard_normal((2, 1, 2, 2)).astype(np.float32)
+    out = d.sample(toy_model, x.shape, sampler=sampler, steps=1, noise=x).numpy()  # timestep 0 alone
+    ab = d.alphas_cumprod[0]
+    expected = (x - math.sqrt(1 - ab) * toy_model_np(x, 0)) / math.sqrt(ab)
+    np.testing.assert_allclose(out, np.clip(expected, -1, 1), atol=1e-5)
 
 
 def test_respace_keeps_alphas_cumprod():

@@ -24,7 +24,7 @@ mge = quiet_megengine()
 
 from megdiffusion import formats, sampling, torch_archive  # noqa: E402
 from megdiffusion.training import checkpoint as ckpt  # noqa: E402
-from megdiffusion.training.config import TrainConfig, as_flag, build_model  # noqa: E402
+from megdiffusion.training.config import TrainConfig, as_flag, build_model, config_from_flagfile  # noqa: E402
 from megdiffusion.training.trainer import TrainingRun  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -201,6 +201,9 @@ def test_wrong_requests_are_refused(tmp_path):
         formats.convert(str(pesser), norm_groups=8, var_type="fixedlarge")
     with pytest.raises(formats.ConvertError, match=r"--norm_groups=4, but .* states 8"):
         _converted(_model_of_format("diffusers"), norm_groups=4)
+    for model in (pesser, _model_of_format("diffusers")):  # Ho's network has one attention head
+        with pytest.raises(formats.ConvertError, match=r"--num_heads=4, but .* states 1"):
+            _converted(model, num_heads=4)
     evil = tmp_path / "evil.pkl"
     evil.write_bytes(pickle.dumps({"w": print}))
     with pytest.raises(formats.ConvertError, match="refusing to load builtins.print"):
@@ -245,6 +248,50 @@ def test_the_key_mapping_is_complete_on_the_real_size_layouts(model_id, layout):
     assert mapped + sum(int(np.prod(shapes[name])) for name in unmapped) == entry["num_parameters"][layout]
     if size == 32:
         assert mapped == 35_746_307  # the paper's CIFAR-10 model, and the DDPM recipe's
+
+
+def _iddpm_source(cfg, extra=()):
+    """A ``formats.Source`` holding (zero-stride) tensors of the shapes improved-diffusion's state dict of ``cfg``'s
+    network has: conv biases (O,), attention convolutions Conv1d (O, I, 1), q, k and v fused into qkv."""
+    shapes = {}
+    attention_levels = {level for level in range(len(cfg.channel_mult))
+                        if cfg.image_size // 2 ** level in cfg.attention_resolutions}
+    for name, shape in _parameter_shapes_of(cfg).items():
+        theirs = formats.source_name("improved_diffusion", name, len(cfg.channel_mult), cfg.num_res_blocks,
+                                     attention_levels)
+        is_attention = ".attns." in name or name.startswith("mid_attn.")
+        if name.endswith(".bias"):
+            shape = (int(np.prod(shape)),)
+        elif is_attention and len(shape) == 4:  # 1x1 convolutions there, Conv1d in improved-diffusion
+            shape = shape[:3]
+        if formats.qkv_part("improved_diffusion", name) is not None:
+            shape = (3 * shape[0],) + shape[1:]
+        shapes[theirs] = shape
+    shapes.update(extra)
+    tensors = {name: np.broadcast_to(np.float32(0), shape) for name, shape in shapes.items()}
+    return formats.Source("model.pt", "improved_diffusion", "improved_diffusion", tensors, {}, "state dict")
+
+
+def _parameter_shapes_of(cfg):
+    return {name: tuple(value.shape) for name, value in build_model(cfg).state_dict().items()}
+
+
+def test_improved_diffusions_published_cifar10_network_is_the_iddpm_recipe(tmp_path):
+    np.savez(tmp_path / "data.npz", arr_0=np.zeros((128, 32, 32, 3), np.uint8))
+    recipe, _ = config_from_flagfile(REPO / "configs" / "iddpm_cifar10.cfg", dataset="npz",
+                                     data_path=str(tmp_path / "data.npz"))
+    source = _iddpm_source(recipe)
+    cfg = formats.describe(source)  # no flags: the published network says what the file does not
+    for name in ckpt.RECIPE_FIELDS + ("dropout",):
+        assert getattr(cfg, name) == getattr(recipe, name), name
+    targets = _parameter_shapes_of(cfg)
+    pairs = formats.mapping("improved_diffusion", {n: a.shape for n, a in source.tensors.items()}, targets,
+                            len(cfg.channel_mult), cfg.num_res_blocks)
+    assert sorted(ours for _, ours in pairs) == sorted(targets)
+    assert sum(int(np.prod(shape)) for shape in targets.values()) == 52_546_438
+    with pytest.raises(formats.ConvertError, match="a class-conditional model"):
+        formats.describe(_iddpm_source(recipe, {"label_emb.weight": (1000, 512)}))
+    assert formats.describe(source, num_heads=2).num_heads == 2  # a flag beats the published value
 
 
 def _published_configs():

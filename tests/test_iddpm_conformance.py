@@ -250,6 +250,32 @@ def test_the_forward_pass_and_its_intermediates(converted):
 
 
 @pytest.mark.parametrize("fast_conv", [True, False], ids=["fast_conv", "native_conv"])
+def _scaled_error(model, x, out):
+    t = mge.tensor(IO["t_model"])
+    return float(np.abs(model(mge.tensor(IO[x]), t).numpy() - IO[out]).max()) / max(1.0, float(np.abs(IO[out]).max()))
+
+
+@pytest.mark.parametrize("change", [dict(time_embedding="ho"), dict(time_embedding="pytorch_ddpm"),
+                                    dict(norm_eps=1e-6), dict(downsample_padding="bottom_right"), dict(num_heads=1),
+                                    "qkv_not_per_head"], ids=str)
+def test_each_wrong_convention_misses_the_reference(converted, change):
+    cfg, weights, theirs_to_ours = converted
+    if change == "qkv_not_per_head":  # [all q | all k | all v] instead of [q k v] per head
+        source = formats.read_source(str(REFERENCE / "unet_small.pt"))
+        weights = dict(weights)
+        for theirs, ours in theirs_to_ours.items():
+            part = formats.qkv_part("improved_diffusion", ours)
+            if part is not None:
+                fused = source.tensors[theirs]
+                weights[ours] = np.split(fused, 3)[part].reshape(weights[ours].shape)
+    else:
+        cfg = cfg.replace(**change)
+    model = network(cfg, weights)
+    errors = [_scaled_error(model, x, out) for x, out in (("x", "out"), ("x_lowvar", "out_lowvar"))]
+    assert max(errors) > 10 * UNET_TOL, errors
+
+
+@pytest.mark.parametrize("fast_conv", [True, False], ids=["fast_conv", "native_conv"])
 def test_the_end_to_end_respaced_hybrid_loss_and_its_gradients(converted, fast_conv, monkeypatch):
     monkeypatch.setattr(conv, "_setting", fast_conv)
     cfg, weights, theirs_to_ours = converted

@@ -20,9 +20,9 @@ def wheel(tmp_path_factory):
 
 
 def test_wheel_contains_scripts_configs_and_data(wheel):
-    for module in ("train", "sample", "fid", "convert"):
+    for module in ("train", "sample", "fid", "convert", "nll"):
         assert f"megdiffusion/scripts/{module}.py" in wheel
-    for config in ("cifar10", "celebahq256", "lsun_church256", "fashion_mnist_cpu"):
+    for config in ("cifar10", "celebahq256", "lsun_church256", "fashion_mnist_cpu", "iddpm_cifar10"):
         assert f"megdiffusion/configs/{config}.cfg" in wheel
     embedded = ROOT / "megdiffusion/data/assets/t10k-images-idx3-ubyte.gz"
     assert wheel["megdiffusion/data/assets/t10k-images-idx3-ubyte.gz"] == embedded.read_bytes()
@@ -34,7 +34,7 @@ def test_wheel_declares_entry_points_and_dependencies(wheel):
     dist_info = next(name.split("/")[0] for name in wheel if name.endswith(".dist-info/METADATA"))
     entry_points = wheel[f"{dist_info}/entry_points.txt"].decode()
     metadata = wheel[f"{dist_info}/METADATA"].decode()
-    for name in ("train", "sample", "fid", "convert"):
+    for name in ("train", "sample", "fid", "convert", "nll"):
         assert f"megdiffusion-{name} = megdiffusion.scripts.{name}:run" in entry_points
     for requirement in ("megengine>=1.9", "numpy<2", "absl-py", "tqdm", "pillow"):
         assert f"Requires-Dist: {requirement}" in metadata
@@ -42,7 +42,9 @@ def test_wheel_declares_entry_points_and_dependencies(wheel):
 
 
 @pytest.mark.parametrize("script, flag", [("train", "--batch_size"), ("sample", "--sampler"),
-                                          ("fid", "--save_stats"), ("demo", "--minutes"), ("convert", "--ema")])
+                                          ("fid", "--save_stats"), ("demo", "--minutes"), ("convert", "--ema"),
+                                          ("nll", "--respacing"), ("convert", "<auto|diffusers|pesser|pytorch_ddpm|"
+                                                                   "megengine_port|improved_diffusion>")])
 def test_scripts_print_their_flags(script, flag):
     result = subprocess.run([sys.executable, "-m", f"megdiffusion.scripts.{script}", "--help"],
                             capture_output=True, text=True, timeout=120)

@@ -14,7 +14,7 @@ mge = quiet_megengine()
 import megengine.module as M  # noqa: E402
 
 from megdiffusion.nn import UNet  # noqa: E402
-from megdiffusion.nn.layers import AttnBlock, Downsample, timestep_embedding  # noqa: E402
+from megdiffusion.nn.layers import AttnBlock, Downsample, ResBlock, timestep_embedding  # noqa: E402
 
 # 64 channels at the second level: with 32 channels in 32 groups, GroupNorm removes the per-channel
 # time-embedding shift, and such a UNet would ignore t.
@@ -22,14 +22,17 @@ TINY = dict(in_channels=1, model_channels=32, channel_mult=(1, 2), num_res_block
             attention_resolutions=(4,), dropout=0.1, image_size=8)
 
 
-def expected_parameters(in_ch, ch, mult, num_res_blocks, attn_res, image_size, out_ch=None):
-    """Parameter count of Ho's UNet, by hand: conv k*k*i*o + o, linear i*o + o, GroupNorm 2c."""
+def expected_parameters(in_ch, ch, mult, num_res_blocks, attn_res, image_size, out_ch=None, scale_shift=False):
+    """Parameter count of Ho's UNet, by hand: conv k*k*i*o + o, linear i*o + o, GroupNorm 2c; with
+    ``scale_shift`` each residual block's time projection gives a scale and a shift per channel."""
     conv = lambda i, o, k=3: k * k * i * o + o  # noqa: E731
     norm = lambda c: 2 * c  # noqa: E731
     temb = 4 * ch
+    projections = 2 if scale_shift else 1
 
     def res(i, o):
-        return norm(i) + conv(i, o) + (temb * o + o) + norm(o) + conv(o, o) + (conv(i, o, 1) if i != o else 0)
+        return (norm(i) + conv(i, o) + projections * (temb * o + o) + norm(o) + conv(o, o)
+                + (conv(i, o, 1) if i != o else 0))
 
     def attn(c):
         return norm(c) + 4 * conv(c, c, 1)
@@ -65,6 +68,15 @@ def test_cifar10_config_has_the_paper_parameter_count():
     assert expected_parameters(3, 128, (1, 2, 2, 2), 2, (16,), 32) == 35_746_307
 
 
+def test_improved_diffusions_cifar10_recipe_parameter_count():
+    # configs/iddpm_cifar10.cfg's network (improved-diffusion's cifar10_uncond_50M_500K): 3 blocks, attention at
+    # 16 and 8 pixels in 4 heads, scale-shift norm, 6 output channels for the learned variance.
+    model = UNet(num_res_blocks=3, attention_resolutions=(16, 8), out_channels=6, use_scale_shift_norm=True,
+                 num_heads=4, dropout=0.3, norm_eps=1e-5, downsample_padding="symmetric", time_embedding="iddpm")
+    expected = expected_parameters(3, 128, (1, 2, 2, 2), 3, (16, 8), 32, out_ch=6, scale_shift=True)
+    assert count(model) == expected == 52_546_438
+
+
 def test_256_config_parameter_count():
     # Constructing it takes a few seconds; no forward pass on 256x256 inputs.
     model = UNet(channel_mult=(1, 1, 2, 2, 4, 4), image_size=256)
@@ -88,6 +100,41 @@ def test_timestep_embedding_is_hos_formula():
     expected = np.array([[math.sin(s * f) for f in freqs] + [math.cos(s * f) for f in freqs] for s in t])
     got = timestep_embedding(mge.Tensor(t, dtype="int32"), dim).numpy()
     np.testing.assert_allclose(got, expected, atol=2e-4)
+
+
+def test_timestep_embedding_iddpm_is_cos_then_sin_over_half():
+    t = np.array([0.0, 1.0, 308.5, 999.75])  # improved-diffusion's rescaled timesteps are fractional
+    dim = 8
+    freqs = [math.exp(-math.log(10000) * i / (dim // 2)) for i in range(dim // 2)]
+    expected = np.array([[math.cos(s * f) for f in freqs] + [math.sin(s * f) for f in freqs] for s in t])
+    got = timestep_embedding(mge.Tensor(t, dtype="float32"), dim, "iddpm").numpy()
+    np.testing.assert_allclose(got, expected, atol=2e-4)
+
+
+def test_scale_shift_norm_is_adagn():
+    rng = np.random.default_rng(2)
+    block = ResBlock(8, 8, 12, dropout=0.0, norm=lambda c: M.GroupNorm(4, c, eps=1e-5), scale_shift=True)
+    for p in block.parameters():
+        assign_(p, mge.Tensor(rng.standard_normal(p.shape).astype(np.float32) * 0.3))
+    assert block.temb_proj.weight.shape == (16, 12)  # a scale and a shift per channel
+    x, temb = rng.standard_normal((2, 8, 4, 4)).astype(np.float32), rng.standard_normal((2, 12)).astype(np.float32)
+
+    def norm(module, a):
+        g = a.reshape(2, 4, -1)
+        g = (g - g.mean(axis=2, keepdims=True)) / np.sqrt(g.var(axis=2, keepdims=True) + 1e-5)
+        gamma, beta = module.weight.numpy().reshape(1, -1, 1, 1), module.bias.numpy().reshape(1, -1, 1, 1)
+        return g.reshape(a.shape) * gamma + beta
+
+    def conv(module, a):  # a 3x3 "same" convolution through MegEngine's own kernel
+        return module.calc_conv(mge.Tensor(a.astype(np.float32)), module.weight, module.bias).numpy()
+
+    silu = lambda a: a / (1 + np.exp(-a))  # noqa: E731
+    h = conv(block.conv1, silu(norm(block.norm1, x)))
+    emb = silu(temb) @ block.temb_proj.weight.numpy().T + block.temb_proj.bias.numpy()
+    scale, shift = emb[:, :8, None, None], emb[:, 8:, None, None]
+    expected = x + conv(block.conv2, silu(norm(block.norm2, h) * (1 + scale) + shift))
+    got = block(mge.Tensor(x), mge.Tensor(temb)).numpy()
+    np.testing.assert_allclose(got, expected, atol=1e-4)
 
 
 def test_timestep_embedding_pytorch_ddpm_is_its_interleaved_table():
@@ -145,9 +192,10 @@ def test_init_follows_ho():
     assert norms and all(m.num_groups == 32 and m.eps == 1e-6 for m in norms)
 
 
-def test_attention_matches_numpy():
+@pytest.mark.parametrize("heads", [1, 4])
+def test_attention_matches_numpy(heads):
     rng = np.random.default_rng(0)
-    block = AttnBlock(64)
+    block = AttnBlock(64, num_heads=heads)
     for conv in (block.q, block.k, block.v, block.proj_out):
         assign_(conv.weight, mge.Tensor(rng.standard_normal(conv.weight.shape).astype(np.float32) * 0.2))
         assign_(conv.bias, mge.Tensor(rng.standard_normal(conv.bias.shape).astype(np.float32) * 0.2))
@@ -161,11 +209,12 @@ def test_attention_matches_numpy():
     def proj(conv, a):  # a 1x1 convolution over (N, C, positions)
         return np.einsum("oc,ncp->nop", conv.weight.numpy()[:, :, 0, 0], a) + conv.bias.numpy()[:, :, 0]
 
-    q, k, v = proj(block.q, h), proj(block.k, h), proj(block.v, h)
-    logits = np.einsum("ncp,ncs->nps", q, k) / math.sqrt(64)
-    w = np.exp(logits - logits.max(axis=2, keepdims=True))
-    w /= w.sum(axis=2, keepdims=True)
-    expected = x + proj(block.proj_out, np.einsum("nps,ncs->ncp", w, v)).reshape(x.shape)
+    q, k, v = (proj(conv, h).reshape(2, heads, 64 // heads, 12) for conv in (block.q, block.k, block.v))
+    logits = np.einsum("nhcp,nhcs->nhps", q, k) / math.sqrt(64 // heads)  # head i: channels i*d .. (i+1)*d - 1
+    w = np.exp(logits - logits.max(axis=3, keepdims=True))
+    w /= w.sum(axis=3, keepdims=True)
+    attended = np.einsum("nhps,nhcs->nhcp", w, v).reshape(2, 64, 12)
+    expected = x + proj(block.proj_out, attended).reshape(x.shape)
     np.testing.assert_allclose(got, expected, atol=1e-4)
 
 
@@ -179,8 +228,12 @@ def test_attention_matches_numpy():
         (dict(model_channels=32, channel_mult=(1, 2), norm_groups=0), "norm_groups must be positive"),
         (dict(channel_mult=()), "at least one"),
         (dict(downsample_padding="same"), "downsample_padding must be one of bottom_right, symmetric"),
-        (dict(time_embedding="flip"), "time_embedding must be one of ho, pytorch_ddpm"),
+        (dict(time_embedding="flip"), "time_embedding must be one of ho, pytorch_ddpm, iddpm"),
         (dict(norm_eps=0.0), "norm_eps must be positive"),
+        (dict(num_heads=3), "attention over 256 channels cannot be split into heads with num_heads=3"),
+        (dict(num_head_channels=96), "256 channels cannot be split into heads with num_head_channels=96"),
+        (dict(num_head_channels=512), "attention over 256 channels cannot be split"),
+        (dict(num_heads=0), "num_heads must be >= 1"),
     ],
 )
 def test_bad_config_raises(kwargs, message):

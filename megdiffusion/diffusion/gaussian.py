@@ -274,19 +274,20 @@ class GaussianDiffusion:
         zeros = F.zeros_like(mean)
         return mean_flat(normal_kl(mean, log_variance, zeros, zeros)) / _LN2
 
-    def calc_bpd_loop(self, model, x0, clip_denoised=True, draw_noise=None, progress=False):
+    def calc_bpd_loop(self, model, x0, clip_denoised=True, draw_noise=None, progress=None):
         """The whole variational bound of each image of x0 (uint8 values scaled to [-1, 1]), in bits per dimension.
 
         Walks t = n-1 .. 0, drawing fresh noise for each t (``draw_noise()``; default standard normal from
-        MegEngine's global RNG) and running the model in eval mode. Returns float64 numpy arrays: ``total_bpd``
-        and ``prior_bpd`` (N,), and (N, n) ``vb``, ``xstart_mse`` and ``mse`` (eps re-derived from the clipped
-        x_0 prediction), column t for timestep t. total_bpd = sum of vb over t + prior_bpd.
+        MegEngine's global RNG) and running the model in eval mode; ``progress``, a tqdm bar, advances by
+        N / n per timestep. Returns float64 numpy arrays: ``total_bpd`` and ``prior_bpd`` (N,), and (N, n) ``vb``,
+        ``xstart_mse`` and ``mse`` (eps re-derived from the clipped x_0 prediction), column t for timestep t.
+        total_bpd = sum of vb over t + prior_bpd.
         """
         n = x0.shape[0]
         draw_noise = draw_noise or (lambda: megengine.random.normal(size=x0.shape))
         columns = {name: np.zeros((n, self.num_timesteps)) for name in ("vb", "xstart_mse", "mse")}
         with samplers.eval_mode(model):
-            for t in samplers.reverse_indices(self.num_timesteps, progress):
+            for t in range(self.num_timesteps - 1, -1, -1):
                 t_batch = F.full((n,), t, dtype="int32")
                 noise = draw_noise()
                 x_t = self.q_sample(x0, t_batch, noise)
@@ -295,6 +296,8 @@ class GaussianDiffusion:
                 columns["vb"][:, t] = terms["output"].numpy()
                 columns["xstart_mse"][:, t] = mean_flat((terms["pred_xstart"] - x0) ** 2).numpy()
                 columns["mse"][:, t] = mean_flat((eps - noise) ** 2).numpy()
+                if progress is not None:
+                    progress.update(n / self.num_timesteps)
         prior = self.prior_bpd(x0).numpy().astype(np.float64)
         return {"total_bpd": columns["vb"].sum(axis=1) + prior, "prior_bpd": prior, **columns}
 

@@ -26,7 +26,7 @@ def eval_mode(model):
             model.train()
 
 
-def reverse_indices(num_steps, progress=False):
+def _reverse_indices(num_steps, progress):
     """num_steps - 1, ..., 0, with a tqdm bar when ``progress``."""
     return tqdm(range(num_steps - 1, -1, -1), total=num_steps, disable=not progress, leave=False)
 
@@ -37,14 +37,14 @@ def _full(n, value):
 
 def ddpm_sample(chain, model, x, clip_denoised, draw_noise, progress):
     """Ancestral sampling: x_{t-1} = the model's mean + exp(log variance / 2) * noise (no noise at t = 0)."""
-    for i in reverse_indices(chain.num_timesteps, progress):
+    for i in _reverse_indices(chain.num_timesteps, progress):
         x, _ = chain.p_sample_step(model, x, _full(x.shape[0], i), clip_denoised, draw_noise() if i > 0 else None)
     return x
 
 
 def ddim_sample(chain, model, x, eta, clip_denoised, draw_noise, progress):
     """DDIM (``GaussianDiffusion.ddim_step``); noise is drawn only when eta > 0 and the step is not the last."""
-    for i in reverse_indices(chain.num_timesteps, progress):
+    for i in _reverse_indices(chain.num_timesteps, progress):
         noise = draw_noise() if eta > 0 and i > 0 else None
         x, _ = chain.ddim_step(model, x, _full(x.shape[0], i), eta, clip_denoised, noise)
     return x

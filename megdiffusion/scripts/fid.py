@@ -28,6 +28,8 @@ flags.DEFINE_string("ckpt", None, "Score a model: sample --num_images from this 
 flags.DEFINE_bool("ema", True, "With --ckpt: sample with the EMA weights (--noema: raw weights).")
 flags.DEFINE_enum("sampler", "ddim", SAMPLERS, "With --ckpt: the sampler.")
 flags.DEFINE_integer("steps", 50, "With --ckpt: sampling steps.")
+flags.DEFINE_string("respacing", None, "With --ckpt, instead of --steps: improved-diffusion's timestep respacing "
+                    "('50', 'ddim50', '10,15,20'; see scripts.sample).")
 flags.DEFINE_float("eta", 0.0, "With --ckpt: DDIM eta.")
 flags.DEFINE_integer("seed", 0, "With --ckpt: image i of the samples depends only on (seed, i).")
 
@@ -47,10 +49,11 @@ def model_fid(reference_spec):
     if not FLAGS.num_images:
         raise UsageError("--ckpt needs --num_images (how many samples to score; papers use 50,000)")
     model, diffusion, cfg, step = load_model(FLAGS.ckpt, ema=FLAGS.ema)
-    check_sampler(diffusion, FLAGS.sampler, FLAGS.steps, FLAGS.eta)
+    steps = FLAGS.steps if FLAGS["steps"].present or not FLAGS.respacing else None  # --steps has a default
+    check_sampler(diffusion, FLAGS.sampler, steps, FLAGS.eta, FLAGS.respacing)
     reference = _statistics(reference_spec)
     value, _ = score(model, diffusion, cfg.image_shape, reference, FLAGS.num_images, FLAGS.seed, FLAGS.sampler,
-                     FLAGS.steps, FLAGS.eta, FLAGS.batch_size, FLAGS.progress)
+                     steps, FLAGS.eta, FLAGS.batch_size, FLAGS.progress, FLAGS.respacing)
     return value, step
 
 
@@ -65,8 +68,9 @@ def main(argv):
             if len(paths) != 1:
                 raise UsageError(f"with --ckpt give one reference PATH (images or stats npz); got {len(paths)}")
             value, step = model_fid(paths[0])
+            spacing = f"respacing {FLAGS.respacing}" if FLAGS.respacing else FLAGS.steps
             print(f"FID: {value:.4f} ({FLAGS.num_images} {'EMA' if FLAGS.ema else 'raw'} samples of "
-                  f"{FLAGS.ckpt} step {step}, {FLAGS.sampler}-{FLAGS.steps}, vs {paths[0]})")
+                  f"{FLAGS.ckpt} step {step}, {FLAGS.sampler}-{spacing}, vs {paths[0]})")
             return
         if len(paths) != 2:
             usage = "--save_stats PATH OUT.npz" if FLAGS.save_stats else "PATH_A PATH_B"

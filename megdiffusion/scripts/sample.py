@@ -17,6 +17,9 @@ flags.DEFINE_string("ckpt", None, "Checkpoint file, or a logdir whose newest val
 flags.DEFINE_bool("ema", True, "Use the EMA weights (--noema: the raw training weights).")
 flags.DEFINE_enum("sampler", "ddpm", SAMPLERS, "Ancestral DDPM (respaced for fewer steps) or DDIM.")
 flags.DEFINE_integer("steps", None, "Denoising steps (default: T). Fewer steps use range(0, T, T // steps).")
+flags.DEFINE_string("respacing", None, "Instead of --steps: improved-diffusion's timestep respacing, 'N' (N steps "
+                    "evenly spaced, the first and last kept), 'a,b,c' (a, b and c steps in three equal sections) or "
+                    "'ddimN' (the smallest stride that gives N).")
 flags.DEFINE_float("eta", 0.0, "DDIM eta: 0 is deterministic DDIM, 1 adds DDPM-like noise.")
 flags.DEFINE_integer("num_images", 64, "How many images to write (000000.png ...).")
 flags.DEFINE_integer("batch_size", 64, "Images per denoising batch (per GPU).")
@@ -38,7 +41,7 @@ def main(argv):
         if FLAGS.num_images < 1 or FLAGS.batch_size < 1 or FLAGS.num_gpus < 1:
             raise UsageError("--num_images, --batch_size and --num_gpus must be positive")
         job = sampling.SampleJob(FLAGS.ckpt, FLAGS.output, FLAGS.num_images, FLAGS.seed, FLAGS.sampler, FLAGS.steps,
-                                 FLAGS.eta, FLAGS.batch_size, FLAGS.ema, npz=FLAGS.npz)
+                                 FLAGS.respacing, FLAGS.eta, FLAGS.batch_size, FLAGS.ema, npz=FLAGS.npz)
         step = sampling.run_job(job, FLAGS.num_gpus)
     print(f"{FLAGS.num_images} images in {FLAGS.output} (grid.png{', samples.npz' if FLAGS.npz else ''}), "
           f"from {FLAGS.ckpt} step {step}, {'EMA' if FLAGS.ema else 'raw'} weights")
