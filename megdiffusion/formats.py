@@ -649,7 +649,7 @@ def convert(path, fmt="auto", ema=False, image_size=None, norm_groups=None, var_
 
     source = read_source(path, ema)
     if fmt not in ("auto", source.format):
-        raise ConvertError(f"{source.path} is a {source.format} checkpoint, not {fmt}")
+        raise ConvertError(f"{source.path} is in the {source.format} format, not {fmt}")
     cfg = describe(source, image_size, norm_groups, var_type, num_heads, num_timesteps, beta_schedule)
     order = _channel_order(source, channel_order)
     if order == "bgr" and cfg.image_channels != 3:

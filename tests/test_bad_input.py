@@ -1,4 +1,4 @@
-"""Bad input to train, sample, fid, convert and the demo, tried as a hostile new user would (issue 17): every case
+"""Bad input to train, sample, fid, nll, convert and the demo, tried as a hostile new user would (issue 17): every case
 ends with exit code 2, one ``error:`` line that names the problem, no traceback, and every file as it was
 (the case's directory, the shared files it reads, and an empty HOME)."""
 import hashlib
@@ -74,6 +74,7 @@ def shared(tmp_path_factory, tiny_config, tiny_images):
     (root / "notours").mkdir()
     (root / "notours" / "thesis.tex").write_text("keep me")
     (root / "afile.txt").write_text("keep me")
+    shutil.copy(Path(__file__).parent / "fixtures" / "iddpm" / "unet_small.pt", root / "unet_small.pt")
     return root
 
 
@@ -81,6 +82,8 @@ TRAIN = ["--dataset=npz", "--data_path=data.npz", "--model_channels=32", "--chan
          "--num_res_blocks=1", "--attention_resolutions=", "--num_timesteps=40", "--batch_size=8", "--total_steps=1",
          "--sample_every=0"]
 SAMPLE = ["--ckpt=run", "--output=out", "--num_images=2", "--batch_size=2", "--sampler=ddim", "--steps=2"]
+RESPACED = [arg for arg in SAMPLE if arg != "--steps=2"]
+IDDPM = ["unet_small.pt", "out.pkl"]
 DEMO = ["--output=out", "--minutes=0.01", "--num_images=2", "--num_reference=2", "--steps=2"]
 
 # (id, script, arguments, what the error line says). Later flags override earlier ones; {shared} is the shared
@@ -126,6 +129,20 @@ CASES = [
     ("batch-over-dataset", "train", [*TRAIN, "--batch_size=32"], "fewer than --batch_size 32"),
     ("two-gpus", "train", [*TRAIN, "--logdir=new", "--num_gpus=2"], "--num_gpus 2 needs CUDA GPUs"),
     ("positional", "train", [*TRAIN, "extra"], "unexpected arguments ['extra']"),
+    ("hybrid-without-learned-variance", "train", [*TRAIN, "--loss_type=hybrid"],
+     "bad diffusion flags: loss_type 'hybrid' weights the vb term that trains a learned variance"),
+    ("unknown-loss-type", "train", [*TRAIN, "--loss_type=kl"], "--loss_type=kl: value should be one of <mse|hybrid>"),
+    ("heads-do-not-divide", "train", [*TRAIN, "--num_heads=3"],
+     "attention over 32 channels cannot be split into heads with num_heads=3"),
+    ("head-channels-do-not-divide", "train", [*TRAIN, "--num_head_channels=12"], "with num_head_channels=12"),
+    ("heads-zero", "train", [*TRAIN, "--num_heads=0"], "--num_heads must be >= 1, got 0"),
+    ("scale-shift-not-a-bool", "train", [*TRAIN, "--use_scale_shift_norm=maybe"], "Non-boolean argument"),
+    ("resume-with-a-learned-variance", "train", ["--flagfile=run/flags.cfg", "--logdir=run", "--resume",
+                                                 "--var_type=learned_range", "--loss_type=hybrid"],
+     "was trained with different var_type, loss_type (--var_type=fixedlarge --loss_type=mse)"),
+    ("init-a-learned-variance-from-a-fixed-one", "train", [*TRAIN, "--logdir=new", "--init_from=run",
+                                                           "--var_type=learned_range"],
+     "holds a network with different var_type (--var_type=fixedlarge); set those flags"),
     # sample
     ("17:eta-negative", "sample", [*SAMPLE, "--eta=-1"], "eta must be a finite number >= 0"),
     ("17:eta-nan", "sample", [*SAMPLE, "--eta=nan"], "--eta must be a finite number, got nan"),
@@ -157,6 +174,9 @@ CASES = [
     ("no-ckpt", "sample", ["--output=out"], "--ckpt and --output are required"),
     ("two-gpus", "sample", [*SAMPLE, "--num_gpus=2"], "--num_gpus 2 needs CUDA GPUs"),
     ("positional", "sample", [*SAMPLE, "extra"], "unexpected arguments"),
+    ("respacing-garbage", "sample", [*RESPACED, "--respacing=abc"], "respacing must be 'N', 'a,b,c'"),
+    ("respacing-over-T", "sample", [*RESPACED, "--respacing=50"], "a section of 40 of T=40 steps cannot keep 50"),
+    ("steps-and-respacing", "sample", [*SAMPLE, "--respacing=4"], "give steps or respacing, not both"),
     # fid
     ("17:stats-out-proc", "fid", ["--save_stats", "images", "/proc/s.npz"], "OUT.npz /proc/s.npz cannot be written"),
     ("stats-out-under-file", "fid", ["--save_stats", "images", "afile.txt/s.npz"], "afile.txt is a file"),
@@ -173,6 +193,18 @@ CASES = [
     ("ckpt-without-count", "fid", ["--ckpt=run", "images"], "--ckpt needs --num_images"),
     ("crafted-checkpoint", "fid", ["--ckpt=evil.pkl", "--num_images=2", "images"], "refusing to load builtins.exec"),
     ("eta-inf", "fid", ["--ckpt=run", "--num_images=2", "--eta=inf", "images"], "--eta must be a finite number"),
+    ("respacing-garbage", "fid", ["--ckpt=run", "--num_images=2", "--respacing=ddimx", "images"],
+     "respacing must be"),
+    # nll
+    ("no-ckpt", "nll", ["data.npz"], "--ckpt is required"),
+    ("two-paths", "nll", ["--ckpt=run", "data.npz", "images"], "expected one argument, the images PATH; got 2"),
+    ("images-of-another-shape", "nll", ["--ckpt=run", "images"],
+     "image 0 of images is 8x8x3 (HxWxC); the model takes 8x8x1"),
+    ("too-many-images", "nll", ["--ckpt=run", "--num_images=20", "data.npz"],
+     "data.npz has 16 images, fewer than --num_images=20"),
+    ("respacing-over-T", "nll", ["--ckpt=run", "--respacing=50", "data.npz"], "cannot keep 50"),
+    ("crafted-checkpoint", "nll", ["--ckpt=evil.pkl", "data.npz"], "refusing to load builtins.exec"),
+    ("batch-zero", "nll", ["--ckpt=run", "--batch_size=0", "data.npz"], "must be positive"),
     # convert
     ("two-paths-needed", "convert", ["run"], "expected two arguments, SRC OUT; got 1"),
     ("missing-source", "convert", ["nope.pt", "out.pkl"], "no file or directory nope.pt"),
@@ -180,6 +212,18 @@ CASES = [
     ("out-exists", "convert", ["run", "afile.txt"], "afile.txt exists; give a new path"),
     ("out-proc", "convert", ["run", "/proc/x.pkl"], "OUT /proc/x.pkl cannot be written"),
     ("out-under-file", "convert", ["run", "afile.txt/x.pkl"], "afile.txt is a file"),
+    ("iddpm-without-image-size", "convert", [*IDDPM, "--num_heads=2"],
+     "unet_small.pt does not record its image_size and is not a published network"),
+    ("iddpm-without-heads", "convert", [*IDDPM, "--image_size=16"],
+     "unet_small.pt does not record its num_heads and is not a published network"),
+    ("iddpm-heads-do-not-divide", "convert", [*IDDPM, "--image_size=16", "--num_heads=3"],
+     "cannot be split into heads with num_heads=3"),
+    ("iddpm-other-norm-groups", "convert", [*IDDPM, "--image_size=16", "--num_heads=2", "--norm_groups=8"],
+     "--norm_groups=8, but unet_small.pt states 32"),
+    ("iddpm-one-timestep", "convert", [*IDDPM, "--image_size=16", "--num_heads=2", "--num_timesteps=1"],
+     "num_timesteps must be an integer >= 2"),
+    ("iddpm-named-pesser", "convert", [*IDDPM, "--format=pesser"],
+     "unet_small.pt is in the improved_diffusion format, not pesser"),
     # demo
     ("17:minutes-nan", "demo", [*DEMO, "--minutes=nan"], "--minutes must be a finite number, got nan"),
     ("minutes-zero", "demo", [*DEMO, "--minutes=0"], "--minutes must be > 0"),

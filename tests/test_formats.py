@@ -195,7 +195,7 @@ def test_wrong_requests_are_refused(tmp_path):
     pesser = _model_of_format("pesser")
     with pytest.raises(formats.ConvertError, match="holds one set of weights; --ema picks"):
         formats.convert(str(pesser), ema=True, image_size=16, norm_groups=8, var_type="fixedlarge")
-    with pytest.raises(formats.ConvertError, match="is a pesser checkpoint, not diffusers"):
+    with pytest.raises(formats.ConvertError, match="is in the pesser format, not diffusers"):
         _converted(pesser, fmt="diffusers")
     with pytest.raises(formats.ConvertError, match="does not record its image_size .* give --image_size"):
         formats.convert(str(pesser), norm_groups=8, var_type="fixedlarge")

@@ -52,9 +52,16 @@ def test_cpu_recipe_end_to_end(tiny_model_flags, tmp_path):
     assert "--channel_mult=1\n" in flags and "--total_steps=20\n" in flags and "--image_size=28\n" in flags
 
 
-def test_exact_resume_in_a_new_process(tiny_model_flags, tmp_path, npz_data):
+# Improved DDPM: learned-range variances trained with the hybrid loss, scale-shift norm, two heads, cosine betas,
+# rescaled timesteps and improved-diffusion's time embedding.
+IMPROVED = ["--var_type=learned_range", "--loss_type=hybrid", "--use_scale_shift_norm", "--num_heads=2",
+            "--beta_schedule=cosine", "--rescale_timesteps", "--time_embedding=iddpm"]
+
+
+@pytest.mark.parametrize("recipe", [[], IMPROVED], ids=["ddpm", "improved"])
+def test_exact_resume_in_a_new_process(tiny_model_flags, tmp_path, npz_data, recipe):
     common = ["--dataset=npz", f"--data_path={npz_data}", *tiny_model_flags, "--dropout=0.1", "--num_timesteps=50",
-              "--batch_size=8", "--warmup_steps=3", "--sample_every=0", "--save_every=0", "--log_every=1"]
+              "--batch_size=8", "--warmup_steps=3", "--sample_every=0", "--save_every=0", "--log_every=1", *recipe]
     straight, split = tmp_path / "straight", tmp_path / "split"
     # 6 steps of 8 out of 32 images: the run crosses an epoch boundary after the resume.
     runs = [train(*common, "--total_steps=6", f"--logdir={straight}", hashseed=1),

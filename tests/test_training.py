@@ -121,9 +121,14 @@ def test_non_finite_loss_stops_without_updating(tiny_config):
         np.testing.assert_array_equal(a, b)
 
 
-def test_same_seed_same_run_and_state_round_trip(tiny_config):
+IMPROVED = dict(var_type="learned_range", loss_type="hybrid", use_scale_shift_norm=True, num_heads=2,
+                beta_schedule="cosine", rescale_timesteps=True, time_embedding="iddpm")
+
+
+@pytest.mark.parametrize("recipe", [{}, IMPROVED], ids=["ddpm", "improved"])
+def test_same_seed_same_run_and_state_round_trip(tiny_config, recipe):
     def run(seed, steps):
-        trainer = Trainer(tiny_config(seed=seed, dropout=0.2))
+        trainer = Trainer(tiny_config(seed=seed, dropout=0.2, **recipe))
         for k in range(steps):
             trainer.step(toy_batch(seed=k))
         return trainer

@@ -184,13 +184,13 @@ def weights_snapshot(cfg, weights, source):
 def load_init(cfg):
     """The checkpoint ``cfg.init_from`` names (a file or a logdir's newest), checked to hold ``cfg``'s network:
     ``(state, path)``."""
-    from megdiffusion.training.config import output_channels
+    from megdiffusion.training.config import as_flag, output_channels
 
     state, path = load_file_or_newest(cfg.init_from)
     stored = config_of(state, path)
     changed = differences(stored, cfg, NETWORK_FIELDS)
     if output_channels(stored) != output_channels(cfg):
-        changed["var_type"] = f"--var_type={stored.var_type} ({output_channels(stored)} output channels)"
+        changed["var_type"] = as_flag("var_type", stored.var_type)  # a learned variance doubles the outputs
     if changed:
         raise CheckpointError(f"--init_from {cfg.init_from} holds a network with different {', '.join(changed)} "
                               f"({' '.join(changed.values())}); set those flags")
