@@ -155,11 +155,14 @@ class GaussianDiffusion:
         log_variance = F.broadcast_to(self._extract("log_one_minus_alphas_cumprod", t, x0.ndim), x0.shape)
         return mean, variance, log_variance
 
+    def _posterior_mean(self, x0, x_t, t):
+        return (self._extract("posterior_mean_coef1", t, x_t.ndim) * x0
+                + self._extract("posterior_mean_coef2", t, x_t.ndim) * x_t)
+
     def q_posterior_mean_variance(self, x0, x_t, t):
         """Mean, variance and clipped log variance of q(x_{t-1} | x_t, x_0), each shaped like x_t."""
         t = _as_timesteps(t)
-        mean = (self._extract("posterior_mean_coef1", t, x_t.ndim) * x0
-                + self._extract("posterior_mean_coef2", t, x_t.ndim) * x_t)
+        mean = self._posterior_mean(x0, x_t, t)
         variance = F.broadcast_to(self._extract("posterior_variance", t, x_t.ndim), x_t.shape)
         log_variance = F.broadcast_to(self._extract("posterior_log_variance_clipped", t, x_t.ndim), x_t.shape)
         return mean, variance, log_variance
@@ -215,9 +218,8 @@ class GaussianDiffusion:
         if clip_denoised:
             x0 = F.clip(x0, -1.0, 1.0)
         eps = prediction if self.mean_type == "eps" and not clip_denoised else self.predict_eps_from_xstart(x_t, t, x0)
-        mean, _, _ = self.q_posterior_mean_variance(x0, x_t, t)
-        return {"mean": mean, "variance": F.exp(log_variance), "log_variance": log_variance, "pred_xstart": x0,
-                "eps": eps}
+        return {"mean": self._posterior_mean(x0, x_t, t), "variance": F.exp(log_variance),
+                "log_variance": log_variance, "pred_xstart": x0, "eps": eps}
 
     # --- training
 
@@ -242,7 +244,7 @@ class GaussianDiffusion:
         elif self.mean_type == "xstart":
             target = x0
         else:
-            target, _, _ = self.q_posterior_mean_variance(x0, x_t, t)
+            target = self._posterior_mean(x0, x_t, t)
         terms = {"mse": mean_flat((prediction - target) ** 2)}
         terms["loss"] = terms["mse"]
         if values is not None:
