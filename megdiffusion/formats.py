@@ -11,7 +11,8 @@ The formats (``FORMATS``), each Ho et al.'s network under its own names (``LAYOU
   downsample on every side, uses GroupNorm eps 1e-5 and an interleaved sinusoid table, recorded as model options.
 - ``megengine_port``: a pickle of MegEngine/MegDiffusion's UNet state dict (its hub ``.pkl`` files) or its
   training ``ckpt.pkl`` (``model``, ``ema_model``). The stored time table tells which model code made it.
-- ``improved_diffusion``: a torch state dict of openai/improved-diffusion's ``UNetModel`` (Nichol & Dhariwal 2021):
+- ``improved_diffusion``: a torch state dict of openai/improved-diffusion's ``UNetModel`` (Nichol & Dhariwal 2021), or
+  the MegEngine port's pickle of one (its ``iddpm_*_converted.pkl``, biases (1, C, 1, 1) and (1, C, 1)):
   symmetric downsample padding, GroupNorm eps 1e-5, its [cos | sin] time embedding, scale-shift norm and a
   learned variance read from the shapes, a fused qkv projection split into q, k and v per head. Its files record
   neither the image size, the head count nor the diffusion: published networks are recognised (``PUBLISHED``).
@@ -618,10 +619,9 @@ def mapping(layout, source_shapes, target_shapes, levels, blocks):
                  for names, what in ((missing, "parameters missing"), (extra, "tensors left over")) if names]
         raise ConvertError(f"the {layout} tensors do not fill the network exactly ({'; '.join(parts)})")
     for theirs, ours in pairs:
-        their_shape = tuple(source_shapes[theirs])
-        if qkv_part(layout, ours) is not None and their_shape[0] % 3 == 0:
-            their_shape = (their_shape[0] // 3,) + their_shape[1:]
-        squeezed = [tuple(n for n in shape if n != 1) for shape in (their_shape, target_shapes[ours])]
+        squeezed = [tuple(n for n in shape if n != 1) for shape in (source_shapes[theirs], target_shapes[ours])]
+        if qkv_part(layout, ours) is not None and squeezed[0] and squeezed[0][0] % 3 == 0:
+            squeezed[0] = (squeezed[0][0] // 3,) + squeezed[0][1:]
         if squeezed[0] != squeezed[1]:
             raise ConvertError(f"{theirs} has shape {tuple(source_shapes[theirs])}; the network's {ours} needs "
                                f"{tuple(target_shapes[ours])}")
@@ -668,6 +668,8 @@ def convert(path, fmt="auto", ema=False, image_size=None, norm_groups=None, var_
         part = qkv_part(source.layout, ours)
         if part is not None:
             channels = targets[ours.rsplit(".", 1)[0] + ".weight"][0]  # of the q, k or v convolution
+            if ours.endswith(".bias"):
+                array = array.reshape(-1)  # (3C,), or (1, 3C, 1) in the MegEngine port's files
             array = split_qkv(array, part, attention_heads(channels, cfg.num_heads, cfg.num_head_channels))
         weights[ours] = np.ascontiguousarray(array, np.float32).reshape(targets[ours])
     if order == "bgr":  # the same network for RGB images: conv_in's inputs and conv_out's outputs reversed

@@ -9,6 +9,7 @@ and keys its files list, and the last test checks that every key of both files w
 """
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -320,6 +321,23 @@ def test_the_converter_script_writes_a_checkpoint_that_gives_the_reference_outpu
     got = model(mge.tensor(IO["x"]), mge.tensor(IO["t_model"]))
     error = float(np.abs(got.numpy() - IO["out"]).max())
     assert error <= UNET_TOL * max(1.0, float(np.abs(IO["out"]).max()))
+
+
+def test_the_megengine_ports_pickle_of_an_improved_diffusion_model_converts_alike(converted, tmp_path):
+    # MegEngine/MegDiffusion's tools/convert/iddpm wrote improved-diffusion's state dict with megengine.save, conv
+    # biases reshaped to (1, C, 1, 1) and Conv1d (attention) biases to (1, C, 1).
+    cfg, weights, _ = converted
+    port = {}
+    for name, array in formats.read_source(str(REFERENCE / "unet_small.pt")).tensors.items():
+        if name.endswith(".bias") and "emb" not in name:
+            array = array.reshape((1, -1, 1) if "qkv" in name or "proj" in name else (1, -1, 1, 1))
+        port[name] = array
+    path = tmp_path / "iddpm_unet_small_converted.pkl"
+    path.write_bytes(pickle.dumps(port, protocol=4))
+    port_cfg, port_weights, record = formats.convert(str(path), **UNET_FLAGS)
+    assert record["format"] == "improved_diffusion" and port_cfg == cfg
+    for name, value in weights.items():
+        np.testing.assert_array_equal(port_weights[name], value, err_msg=name)
 
 
 # ---------------------------------------------------------------- every key was compared
