@@ -223,8 +223,8 @@ class GaussianDiffusion:
 
     # --- training
 
-    def draw_timesteps(self, n):
-        """n timestep indices drawn uniformly from 0..n_steps-1 with MegEngine's global RNG."""
+    def _draw_timesteps(self, n):
+        """n timestep indices drawn uniformly from 0..num_timesteps-1 with MegEngine's global RNG."""
         return F.minimum(F.floor(megengine.random.uniform(0, self.num_timesteps, size=(n,))), self.num_timesteps - 1)
 
     def training_losses(self, model, x0, t=None, noise=None):
@@ -233,7 +233,7 @@ class GaussianDiffusion:
         variational-bound term in bits with the prediction behind a stop-gradient (so it trains only the
         variance; times T / 1000 for "hybrid"), and ``loss`` = mse (+ vb). t defaults to uniform draws and noise
         to standard normal, both from MegEngine's global RNG."""
-        t = _as_timesteps(self.draw_timesteps(x0.shape[0]) if t is None else t)
+        t = _as_timesteps(self._draw_timesteps(x0.shape[0]) if t is None else t)
         if noise is None:
             noise = megengine.random.normal(size=x0.shape)
         x_t = self.q_sample(x0, t, noise)
