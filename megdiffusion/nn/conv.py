@@ -43,6 +43,7 @@ from megengine.jit.tracing import is_tracing
 
 from megdiffusion.batch_threads import for_batch_chunks
 from megdiffusion.compat import cuda_available
+from megdiffusion.nn import onednn
 
 ENV_VAR = "MEGDIFFUSION_FAST_CONV"
 # Upper bound on one im2col buffer (floats); a batch chunk holds fewer samples when needed.
@@ -177,6 +178,12 @@ class _FastConv2d(Function):
 
     def forward(self, x, weight, bias=None):
         self.x, self.weight, self.has_bias = x.numpy(), weight.numpy(), bias is not None
+        self.on_onednn = onednn.available() and self.weight.shape[2:] != (1, 1)
+        if self.on_onednn:
+            out_hw = _output_hw(self.x.shape[2:], self.weight.shape[2:], self.stride, self.padding)
+            y = onednn.conv2d_forward(np.ascontiguousarray(self.x), self.weight, None if bias is None else bias.numpy().reshape(-1),
+                                      self.stride, self.padding, out_hw, for_batch_chunks)
+            return megengine.tensor(y, device=x.device)
         y = _correlate(self.x, self.weight, self.stride, self.padding)
         if bias is not None:
             y += bias.numpy().reshape(1, -1, 1, 1)
@@ -187,12 +194,16 @@ class _FastConv2d(Function):
             return (None, None, None) if self.has_bias else (None, None)
         x, weight, dy_np = self.x, self.weight, dy.numpy()
         device = dy.device
-        dx = _input_grad(dy_np, weight, x.shape[2:], self.stride, self.padding)
-        dw = _weight_grad(x, dy_np, weight.shape[2:], self.stride, self.padding)
+        if self.on_onednn:
+            dx, dw, db = onednn.conv2d_backward(np.ascontiguousarray(x), weight, np.ascontiguousarray(dy_np),
+                                                self.stride, self.padding, self.has_bias, for_batch_chunks)
+        else:
+            dx = _input_grad(dy_np, weight, x.shape[2:], self.stride, self.padding)
+            dw = _weight_grad(x, dy_np, weight.shape[2:], self.stride, self.padding)
+            db = dy_np.sum(axis=(0, 2, 3), dtype=np.float64).astype(np.float32) if self.has_bias else None
         grads = [megengine.tensor(dx, device=device), megengine.tensor(dw, device=device)]
         if self.has_bias:
-            db = dy_np.sum(axis=(0, 2, 3), dtype=np.float64).astype(np.float32).reshape(1, -1, 1, 1)
-            grads.append(megengine.tensor(db, device=device))
+            grads.append(megengine.tensor(db.reshape(1, -1, 1, 1), device=device))
         self.x = self.weight = None
         return tuple(grads)
 
