@@ -214,23 +214,31 @@ def test_state_dict_interchangeable_with_native_module():
     np.testing.assert_array_equal(back(x).numpy(), native(x).numpy())
 
 
-def test_eval_mode_uses_the_native_forward(monkeypatch, cpu_kernel):
-    """Sampling (eval mode) keeps MegEngine's forward: bit-identical to M.Conv2d, no fast-path convolution."""
-    numpy_calls = []
+@pytest.mark.parametrize("kernel", [1, 3])
+def test_eval_mode_forward(kernel, monkeypatch, cpu_kernel):
+    """Eval mode (sampling): oneDNN's forward for kernels above 1x1 when it is installed; otherwise MegEngine's
+    forward, bit-identical to M.Conv2d. Training mode always takes the fast path."""
+    fast_calls = []
     for owner, name in ((conv_module, "_correlate"), (onednn, "conv2d_forward")):
         original = getattr(owner, name)
-        monkeypatch.setattr(owner, name, lambda *args, original=original: numpy_calls.append(1) or original(*args))
+        monkeypatch.setattr(owner, name, lambda *args, original=original: fast_calls.append(name) or original(*args))
     rng = np.random.default_rng(8)
-    fast, native = Conv2d(3, 4, 3, padding=1), M.Conv2d(3, 4, 3, padding=1)
+    fast, native = Conv2d(3, 4, kernel, padding=kernel // 2), M.Conv2d(3, 4, kernel, padding=kernel // 2)
     native.load_state_dict(fast.state_dict())
-    x = megengine.tensor(rng.standard_normal((2, 3, 6, 6)).astype("float32"))
+    x = megengine.tensor(rng.standard_normal((5, 3, 6, 6)).astype("float32"))
     set_fast_conv(True)
     fast.eval()
-    np.testing.assert_array_equal(fast(x).numpy(), native(x).numpy())
-    assert numpy_calls == []
+    y_eval = fast(x).numpy()
+    if cpu_kernel == "onednn" and kernel > 1:
+        assert fast_calls == ["conv2d_forward"]
+        assert_close(y_eval, native(x).numpy())
+    else:
+        assert fast_calls == []
+        np.testing.assert_array_equal(y_eval, native(x).numpy())
     fast.train()
+    calls_before = len(fast_calls)
     assert_close(fast(x).numpy(), native(x).numpy())
-    assert numpy_calls == [1]
+    assert len(fast_calls) == calls_before + 1
 
 
 class TwoConvNet(M.Module):

@@ -20,6 +20,8 @@ import threading
 
 import numpy as np
 
+from megdiffusion.errors import MegdiffusionError
+
 GROUP = 4  # samples per primitive execution (the unit of determinism)
 
 _F32 = 3
@@ -66,8 +68,10 @@ _RETURNS = {"dnnl_memory_desc_equal": ctypes.c_int, "dnnl_memory_desc_get_size":
             "dnnl_primitive_desc_query_md": _ptr}
 
 
-class OneDNNError(RuntimeError):
+class OneDNNError(MegdiffusionError):
     """A oneDNN call returned an error status."""
+
+    exit_code = 1  # not the user's input
 
 
 def _load():
@@ -103,7 +107,8 @@ def available():
 def _call(name, *args):
     status = getattr(_state[0], name)(*args)
     if status != 0:
-        raise OneDNNError(f"oneDNN {name} failed with status {status}")
+        raise OneDNNError(f"oneDNN's {name} failed with status {status}; MEGDIFFUSION_ONEDNN=0 runs the numpy "
+                          "kernels instead")
 
 
 def _stream():
