@@ -26,6 +26,8 @@ setup(
     extras_require={
         "dev": ["pytest", "scipy", "wheel", "ruff>=0.17,<0.18"],
         "tensorboard": ["tensorboardX"],
+        # benchmarks/vs_pytorch.py's PyTorch twin only; megdiffusion never imports torch.
+        "bench": ["torch"],
     },
     entry_points={
         "console_scripts": [
