@@ -8,7 +8,7 @@ without a field stands for, the betas), ``MODEL_x0.npy`` (the batch), ``MODEL_we
 weights of ``Trainer(cfg)``, which both sides start from), and for the check ``reference.json`` and
 ``MODEL_reference.npz``.
 
-    python benchmarks/megdiffusion_side.py prepare DIR [--models cpu,cifar] [--cpu_batch N] [--cifar_batch 16]
+    python benchmarks/megdiffusion_side.py prepare DIR [--models cpu,cifar] [--cpu_batch N] [--cifar_batch N]
     python benchmarks/megdiffusion_side.py reference DIR [--models cpu,cifar]   # and the paper model's shapes
     python benchmarks/megdiffusion_side.py train DIR MODEL [--warmup 1] [--steps 3] [--round 0]
     python benchmarks/megdiffusion_side.py ddim DIR MODEL [--batch 16] [--sample_steps 50] [--round 0]
@@ -30,7 +30,8 @@ from megdiffusion.training.config import TrainConfig, build_diffusion, build_mod
 from megdiffusion.training.trainer import Trainer  # noqa: E402
 from train_step import cifar_shaped, cpu_recipe  # noqa: E402
 
-MODELS = {"cpu": cpu_recipe, "cifar": lambda batch: cifar_shaped(batch or 16, 1)}
+CIFAR_BATCH = 16  # train_step.py's default
+MODELS = {"cpu": cpu_recipe, "cifar": lambda batch: cifar_shaped(batch or CIFAR_BATCH, 1)}
 PAPER_PARAMS = 35_746_307  # Ho et al.'s CIFAR-10 model: megdiffusion's UNet defaults
 CHECK_T = (3, 876)  # timesteps of the two images of the forward check
 CHECK_DDIM_STEPS = 5
@@ -188,7 +189,7 @@ def main():
         p.add_argument("work_dir")
         p.add_argument("--models", default="cpu,cifar")
     sub.choices["prepare"].add_argument("--cpu_batch", type=int, default=None, help="default: the recipe's")
-    sub.choices["prepare"].add_argument("--cifar_batch", type=int, default=16)
+    sub.choices["prepare"].add_argument("--cifar_batch", type=int, default=None, help=f"default: {CIFAR_BATCH}")
     for command in ("train", "ddim"):
         p = sub.add_parser(command)
         p.add_argument("work_dir")

@@ -178,20 +178,29 @@ class UpLevel(nn.Module):
         return h if self.upsample is None else self.upsample(h)
 
 
+def embedding_frequencies(dim, kind):
+    """The (dim / 2,) float32 frequencies of the sinusoidal timestep embedding, computed in float64 as megdiffusion
+    does: exp(-ln(1e4) i / (dim / 2 - 1)) for "ho", exp(-ln(1e4) 2i / dim) for "pytorch_ddpm"."""
+    steps = np.arange(dim // 2, dtype=np.float64)
+    exponents = steps / (dim // 2 - 1) if kind == "ho" else 2 * steps / dim
+    return torch.from_numpy(np.exp(-math.log(10000.0) * exponents).astype(np.float32))
+
+
 class UNet(nn.Module):
     """megdiffusion.nn.UNet in PyTorch, built from a TrainConfig dict; ``forward(x, t)``, t (N,) timesteps."""
 
     def __init__(self, cfg):
         super().__init__()
         ch, mults, levels = cfg["model_channels"], cfg["channel_mult"], len(cfg["channel_mult"])
-        norm = lambda channels: nn.GroupNorm(cfg["norm_groups"], channels, eps=cfg["norm_eps"])  # noqa: E731
-        block = lambda cin, cout: ResBlock(cin, cout, 4 * ch, cfg["dropout"], norm)  # noqa: E731
-        half = ch // 2
-        steps = np.arange(half, dtype=np.float64)
-        ho = cfg["time_embedding"] == "ho"
+
+        def norm(channels):
+            return nn.GroupNorm(cfg["norm_groups"], channels, eps=cfg["norm_eps"])
+
+        def block(in_channels, out_channels):
+            return ResBlock(in_channels, out_channels, 4 * ch, cfg["dropout"], norm)
+
         self.time_embedding = cfg["time_embedding"]
-        self.freqs = torch.from_numpy(np.exp(-math.log(10000.0) * (steps / (half - 1) if ho else 2 * steps / ch))
-                                      .astype(np.float32))
+        self.freqs = embedding_frequencies(ch, cfg["time_embedding"])
         self.temb_dense0 = nn.Linear(ch, 4 * ch)
         self.temb_dense1 = nn.Linear(4 * ch, 4 * ch)
         self.conv_in = conv(cfg["image_channels"], ch)
@@ -262,12 +271,10 @@ class Schedule:
     """The float32 per-timestep coefficients megdiffusion's GaussianDiffusion gathers, and alpha_bar (float64)."""
 
     def __init__(self, betas):
-        self.alphas_cumprod = np.cumprod(1.0 - betas)
-        table = lambda a: torch.from_numpy(a.astype(np.float32))  # noqa: E731
-        self.sqrt_ac = table(np.sqrt(self.alphas_cumprod))
-        self.sqrt_1m_ac = table(np.sqrt(1.0 - self.alphas_cumprod))
-        self.sqrt_recip_ac = table(np.sqrt(1.0 / self.alphas_cumprod))
-        self.sqrt_recipm1_ac = table(np.sqrt(1.0 / self.alphas_cumprod - 1.0))
+        alphas_cumprod = self.alphas_cumprod = np.cumprod(1.0 - betas)
+        self.sqrt_ac, self.sqrt_1m_ac, self.sqrt_recip_ac, self.sqrt_recipm1_ac = (
+            torch.from_numpy(np.sqrt(a).astype(np.float32))
+            for a in (alphas_cumprod, 1.0 - alphas_cumprod, 1.0 / alphas_cumprod, 1.0 / alphas_cumprod - 1.0))
 
     @staticmethod
     def at(table, t):
@@ -310,8 +317,6 @@ class TwinTrainer:
         clip = cfg["grad_clip"] if cfg["grad_clip"] > 0 else math.inf
         grad_norm = float(nn.utils.clip_grad_norm_(self.params, clip))
         loss = loss.item()
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            raise FloatingPointError(f"non-finite loss {loss} (gradient norm {grad_norm}) at step {self.step_count}")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():

@@ -111,7 +111,8 @@ def alternate(args, tpy, model, mode, options):
 
 def benchmark(args):
     tpy = torch_python(args.torch_python)
-    batches = ["--cifar_batch", args.cifar_batch] + (["--cpu_batch", args.cpu_batch] if args.cpu_batch else [])
+    batches = [option for name in ("cpu_batch", "cifar_batch") if getattr(args, name) is not None
+               for option in (f"--{name}", getattr(args, name))]
     run(sys.executable, "megdiffusion_side.py", "prepare", args.work_dir, "--models", ",".join(args.models), *batches)
     if args.check:
         run(sys.executable, "megdiffusion_side.py", "reference", args.work_dir, "--models", ",".join(args.models))
@@ -132,7 +133,7 @@ def parse_args(argv=None):
                         help="compare the twin with megdiffusion before timing (default)")
     parser.add_argument("--no_check", dest="check", action="store_false", help="skip the comparison")
     parser.add_argument("--cpu_batch", type=int, default=None, help="batch of the cpu model (default: the recipe's)")
-    parser.add_argument("--cifar_batch", type=int, default=16, help="batch of the cifar model")
+    parser.add_argument("--cifar_batch", type=int, default=None, help="batch of the cifar model (default: 16)")
     parser.add_argument("--sample", action="store_true", help="also time DDIM sampling")
     parser.add_argument("--sample_steps", type=int, default=50, help="DDIM steps of --sample")
     parser.add_argument("--sample_batch", type=int, default=16, help="images per DDIM call of --sample")
@@ -145,7 +146,8 @@ def parse_args(argv=None):
     unknown = sorted(set(args.models) - set(MODELS))
     if unknown:
         parser.error(f"unknown --models {','.join(unknown)}; choose from {', '.join(MODELS)}")
-    counts = [args.rounds, args.steps, args.cifar_batch, args.sample_steps, args.sample_batch, args.cpu_batch or 1]
+    counts = [args.rounds, args.steps, args.sample_steps, args.sample_batch]
+    counts += [batch for batch in (args.cpu_batch, args.cifar_batch) if batch is not None]
     if min(counts) < 1 or args.warmup < 0:
         parser.error("--rounds, --steps, the batch sizes and --sample_steps must be >= 1, --warmup >= 0")
     return args
