@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megdiffusion.compat import quiet_megengine  # noqa: E402
 
 mge = quiet_megengine()
+from megdiffusion.nn import onednn  # noqa: E402
 from megdiffusion.nn.conv import fast_conv_enabled  # noqa: E402
 from megdiffusion.training.config import TrainConfig, build_diffusion, build_model  # noqa: E402
 from megdiffusion.training.trainer import Trainer  # noqa: E402
@@ -142,7 +143,8 @@ def measurement(args, mode, seconds, cpu_seconds, images, **extra):
     return {"model": args.model, "mode": mode, "side": "megdiffusion", "round": args.round, "images": images,
             "seconds": round(seconds, 4), "cpu_seconds": round(cpu_seconds, 4),
             "images_per_s": round(images / seconds, 3), "images_per_cpu_s": round(images / cpu_seconds, 3),
-            **extra, "megengine": mge.__version__, "fast_conv": fast_conv_enabled(), "cpus": os.cpu_count(),
+            **extra, "megengine": mge.__version__, "fast_conv": fast_conv_enabled(),
+            "onednn": onednn.available(), "cpus": os.cpu_count(),
             "load": round(os.getloadavg()[0], 2)}
 
 
