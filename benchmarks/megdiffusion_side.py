@@ -17,11 +17,11 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import measurement  # noqa: E402
 from megdiffusion.compat import quiet_megengine  # noqa: E402
 
 mge = quiet_megengine()
@@ -138,22 +138,9 @@ def check_outputs(work_dir, name, cfg, model):
             "ddim_steps": CHECK_DDIM_STEPS, "ddim_seeds": seeds}
 
 
-def measurement(args, mode, seconds, cpu_seconds, images, **extra):
-    """The JSON line of one timed run (the same keys as pytorch_twin.py's)."""
-    return {"model": args.model, "mode": mode, "side": "megdiffusion", "round": args.round, "images": images,
-            "seconds": round(seconds, 4), "cpu_seconds": round(cpu_seconds, 4),
-            "images_per_s": round(images / seconds, 3), "images_per_cpu_s": round(images / cpu_seconds, 3),
-            **extra, "megengine": mge.__version__, "fast_conv": fast_conv_enabled(),
-            "onednn": onednn.available(), "cpus": os.cpu_count(),
-            "load": round(os.getloadavg()[0], 2)}
-
-
-def timed(fn, repeats):
-    """(wall seconds, CPU seconds of this process, last result) of ``repeats`` calls of ``fn``."""
-    start, start_cpu = time.perf_counter(), time.process_time()
-    for _ in range(repeats):
-        result = fn()
-    return time.perf_counter() - start, time.process_time() - start_cpu, result
+def engine():
+    """What ran megdiffusion's side: MegEngine's version and the convolution kernels of training mode."""
+    return {"megengine": mge.__version__, "fast_conv": fast_conv_enabled(), "onednn": onednn.available()}
 
 
 def train(args):
@@ -162,11 +149,7 @@ def train(args):
     trainer = Trainer(cfg)
     trainer.model.load_state_dict(weights)
     trainer.ema.load_state_dict(weights)
-    for _ in range(args.warmup):
-        trainer.step(x0)
-    seconds, cpu, metrics = timed(lambda: trainer.step(x0), args.steps)
-    return measurement(args, "train", seconds, cpu, args.steps * len(x0), batch=len(x0), steps=args.steps,
-                       warmup=args.warmup, loss=round(metrics["loss"], 6))
+    return measurement.training(args, "megdiffusion", lambda: trainer.step(x0), len(x0), engine())
 
 
 def ddim(args):
@@ -177,10 +160,8 @@ def ddim(args):
     model.eval()
     shape = (args.batch,) + cfg.image_shape
     model(mge.tensor(np.zeros(shape, np.float32)), mge.tensor(np.zeros(args.batch, np.int32))).numpy()  # untimed
-    seconds, cpu, _ = timed(lambda: diffusion.sample(model, shape, sampler="ddim", steps=args.sample_steps,
-                                                     seeds=range(args.batch)).numpy(), 1)
-    return measurement(args, "ddim", seconds, cpu, args.batch, batch=args.batch, sample_steps=args.sample_steps,
-                       seconds_per_image=round(seconds / args.batch, 4))
+    return measurement.sampling(args, "megdiffusion", lambda: diffusion.sample(
+        model, shape, sampler="ddim", steps=args.sample_steps, seeds=range(args.batch)).numpy(), engine())
 
 
 def main():

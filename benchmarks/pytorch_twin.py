@@ -1,10 +1,11 @@
 """The PyTorch twin of megdiffusion's UNet, of ``Trainer.step`` and of the DDIM sampler, for ``vs_pytorch.py``.
 
-Imports only torch, numpy and the standard library, so it runs under any interpreter with torch
-(``vs_pytorch.py --torch_python``). It reads the files that ``megdiffusion_side.py prepare``/``reference``
-write into a work directory: ``MODEL.json`` (megdiffusion's ``TrainConfig.to_dict()``, what a config without
-a later field means, and the betas), ``MODEL_x0.npy`` (the batch), ``MODEL_weights.npz`` (megdiffusion's
-initial weights), ``reference.json`` and ``MODEL_reference.npz`` (parameter shapes and outputs to compare).
+Imports only torch, numpy, the standard library and ``measurement.py`` beside it (standard library only), so it
+runs under any interpreter with torch (``vs_pytorch.py --torch_python``). It reads the files that
+``megdiffusion_side.py prepare``/``reference`` write into a work directory: ``MODEL.json`` (megdiffusion's
+``TrainConfig.to_dict()``, what a config without a later field means, and the betas), ``MODEL_x0.npy`` (the
+batch), ``MODEL_weights.npz`` (megdiffusion's initial weights), ``reference.json`` and ``MODEL_reference.npz``
+(parameter shapes and outputs to compare).
 
 The network follows the config: ``norm_groups``, ``norm_eps``, ``downsample_padding`` ("bottom_right": one
 zero row and column at the bottom and right before a stride-2 conv without padding; "symmetric": padding 1)
@@ -21,12 +22,13 @@ import json
 import math
 import os
 import sys
-import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import measurement
 
 # Fields that shape the network or the step, read (or restricted by SUPPORTED) below.
 MODEL_FIELDS = ("image_channels", "image_size", "model_channels", "channel_mult", "num_res_blocks",
@@ -419,32 +421,16 @@ def check(args):
             print(json.dumps(check_outputs(args.work_dir, name, entry)), flush=True)
 
 
-def measurement(args, mode, seconds, cpu_seconds, images, **extra):
-    """The JSON line of one timed run (the same keys as megdiffusion_side.py's)."""
-    return {"model": args.model, "mode": mode, "side": "torch", "round": args.round, "images": images,
-            "seconds": round(seconds, 4), "cpu_seconds": round(cpu_seconds, 4),
-            "images_per_s": round(images / seconds, 3), "images_per_cpu_s": round(images / cpu_seconds, 3),
-            **extra, "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-            "load": round(os.getloadavg()[0], 2)}
-
-
-def timed(fn, repeats):
-    """(wall seconds, CPU seconds of this process, last result) of ``repeats`` calls of ``fn``."""
-    start, start_cpu = time.perf_counter(), time.process_time()
-    for _ in range(repeats):
-        result = fn()
-    return time.perf_counter() - start, time.process_time() - start_cpu, result
+def engine():
+    """What ran the twin: torch's version and its intra-op threads."""
+    return {"torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
 def train(args):
     cfg, betas = read_config(args.work_dir, args.model)
     x0 = np.load(os.path.join(args.work_dir, f"{args.model}_x0.npy"))
     trainer = TwinTrainer(cfg, betas, np.load(os.path.join(args.work_dir, f"{args.model}_weights.npz")))
-    for _ in range(args.warmup):
-        trainer.step(x0)
-    seconds, cpu, metrics = timed(lambda: trainer.step(x0), args.steps)
-    print(json.dumps(measurement(args, "train", seconds, cpu, args.steps * len(x0), batch=len(x0),
-                                 steps=args.steps, warmup=args.warmup, loss=round(metrics["loss"], 6))), flush=True)
+    return measurement.training(args, "torch", lambda: trainer.step(x0), len(x0), engine())
 
 
 def ddim(args):
@@ -454,11 +440,8 @@ def ddim(args):
     shape = (cfg["image_channels"], cfg["image_size"], cfg["image_size"])
     with torch.no_grad():  # one untimed call at the batch size
         model.eval()(torch.zeros((args.batch,) + shape), torch.zeros(args.batch, dtype=torch.int64))
-    seconds, cpu, _ = timed(lambda: ddim_sample(model, Schedule(betas), cfg["num_timesteps"], args.sample_steps,
-                                                range(args.batch), shape), 1)
-    print(json.dumps(measurement(args, "ddim", seconds, cpu, args.batch, batch=args.batch,
-                                 sample_steps=args.sample_steps,
-                                 seconds_per_image=round(seconds / args.batch, 4))), flush=True)
+    return measurement.sampling(args, "torch", lambda: ddim_sample(
+        model, Schedule(betas), cfg["num_timesteps"], args.sample_steps, range(args.batch), shape), engine())
 
 
 def main():
@@ -478,7 +461,10 @@ def main():
     p.add_argument("--sample_steps", type=int, default=50)
     args = parser.parse_args()
     try:
-        {"check": check, "train": train, "ddim": ddim}[args.command](args)
+        if args.command == "check":
+            check(args)
+        else:
+            print(json.dumps({"train": train, "ddim": ddim}[args.command](args)), flush=True)
     except (UnsupportedConfig, AssertionError) as err:
         sys.exit(f"pytorch_twin.py {args.command}: {err}")
 
