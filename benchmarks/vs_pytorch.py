@@ -66,22 +66,22 @@ def torch_python(path=None):
 
 
 def run(python, script, *args):
-    """Run one side's command in a fresh process; its JSON lines, printed and returned."""
+    """Run one side's command in a fresh process; its JSON lines, printed (also those before a failure) and
+    returned."""
     result = subprocess.run([python, os.path.join(HERE, script), *map(str, args)], capture_output=True, text=True)
-    if result.returncode:
-        raise BenchmarkError(f"{script} {args[0]} failed (exit {result.returncode}): {last_line(result.stderr)}")
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     for row in rows:
         print(json.dumps(row), flush=True)
+    if result.returncode:
+        raise BenchmarkError(f"{script} {args[0]} failed (exit {result.returncode}): {last_line(result.stderr)}")
     return rows
 
 
 def summary(model, mode, rows):
     """Medians of each side's measurements and their ratios (megdiffusion / torch)."""
     sides = {side: [r for r in rows if r["side"] == side] for side in ("megdiffusion", "torch")}
-    median = {side: {key: statistics.median(r[key] for r in sides[side]) for key in ("images_per_s",
-                                                                                      "images_per_cpu_s")}
-              for side in sides}
+    median = {side: {key: statistics.median(r[key] for r in sides[side])
+                     for key in ("images_per_s", "images_per_cpu_s")} for side in sides}
     first = {side: sides[side][0] for side in sides}
     line = {"model": model, "summary": True, "mode": mode, "batch": first["torch"]["batch"],
             "rounds": len(sides["torch"])}
@@ -94,9 +94,8 @@ def summary(model, mode, rows):
     line["ratio"] = round(median["megdiffusion"]["images_per_s"] / median["torch"]["images_per_s"], 3)
     line.update({f"{side}_images_per_cpu_s": round(median[side]["images_per_cpu_s"], 3) for side in sides})
     line["cpu_ratio"] = round(median["megdiffusion"]["images_per_cpu_s"] / median["torch"]["images_per_cpu_s"], 3)
-    line.update(megengine=first["megdiffusion"]["megengine"], fast_conv=first["megdiffusion"]["fast_conv"],
-                onednn=first["megdiffusion"]["onednn"],
-                torch=first["torch"]["torch"], torch_threads=first["torch"]["threads"], cpus=first["torch"]["cpus"],
+    line.update({key: first["megdiffusion"][key] for key in ("megengine", "fast_conv", "onednn")})
+    line.update(torch=first["torch"]["torch"], torch_threads=first["torch"]["threads"], cpus=first["torch"]["cpus"],
                 load=round(statistics.median(r["load"] for r in rows), 2))
     return line
 
@@ -112,6 +111,8 @@ def alternate(args, tpy, model, mode, options):
 
 def benchmark(args):
     tpy = torch_python(args.torch_python)
+    print(json.dumps({"megdiffusion_python": sys.executable, "torch_python": tpy, "work_dir": args.work_dir,
+                      "load": os.getloadavg()}), flush=True)
     batches = [option for name in ("cpu_batch", "cifar_batch") if getattr(args, name) is not None
                for option in (f"--{name}", getattr(args, name))]
     run(sys.executable, "megdiffusion_side.py", "prepare", args.work_dir, "--models", ",".join(args.models), *batches)
