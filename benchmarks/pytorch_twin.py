@@ -46,10 +46,13 @@ SUPPORTED = {"mean_type": ("eps",), "var_type": ("fixedlarge", "fixedsmall"),
              "downsample_padding": ("bottom_right", "symmetric"), "time_embedding": ("ho", "pytorch_ddpm")}
 
 
-# How far the twin may be from megdiffusion with the same weights: relative errors of the outputs, and of the
-# weights after the steps in units of the summed learning rate. Adam moves a weight by up to ~lr a step, by
-# lr * g / (|g| + 1e-8): for the few entries with a gradient near 1e-8 float32 rounding moves that by percents.
-TOLERANCES = {"forward": 2e-5, "loss": 1e-5, "grad_norm": 1e-4, "ddim": 1e-4, "weights": 0.05}
+# How far the twin may be from megdiffusion with the same weights: relative errors of the outputs; absolute
+# errors of the weights (and EMA) after the steps. Adam moves a weight by lr * m / (sqrt(v) + 1e-8): where a
+# gradient is below 100 * eps at either step (attention's key biases, whose gradient softmax cancels, and a
+# few entries per tensor), float32 rounding decides that move, so those entries only get Adam's bound of
+# about lr per step on each side (2.01 * the summed lr).
+TOLERANCES = {"forward": 2e-5, "loss": 1e-5, "grad_norm": 1e-4, "ddim": 1e-4, "weights": 1e-6,
+              "adam_sensitive_gradient": 1e-6, "sensitive_weights": 2.01}
 
 
 class UnsupportedConfig(ValueError):
@@ -312,6 +315,7 @@ class TwinTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)  # at the start: the last step's gradients stay readable
         x0 = torch.from_numpy(x0)
         x_t = schedule.at(schedule.sqrt_ac, t) * x0 + schedule.at(schedule.sqrt_1m_ac, t) * noise
         loss = (self.model(x_t, t) - noise).square().flatten(1).mean(dim=1).mean()
@@ -320,7 +324,6 @@ class TwinTrainer:
         grad_norm = float(nn.utils.clip_grad_norm_(self.params, clip))
         loss = loss.item()
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             for ema_param, param in zip(self.ema.parameters(), self.params):
                 ema_param.mul_(cfg["ema_decay"]).add_(param, alpha=1.0 - cfg["ema_decay"])
@@ -379,7 +382,11 @@ def check_outputs(work_dir, name, entry, tolerances=TOLERANCES):
     with torch.no_grad():
         y = model.eval()(torch.from_numpy(ref["x"]), torch.from_numpy(ref["t"]).long()).numpy()
     trainer = TwinTrainer(cfg, betas, weights)
-    steps = [trainer.step(ref["x"]) for _ in entry["steps"]]
+    steps, sensitive = [], {n: False for n in weights}
+    for _ in entry["steps"]:
+        steps.append(trainer.step(ref["x"]))
+        for n, p in trainer.model.named_parameters():
+            sensitive[n] = sensitive[n] | (p.grad.abs() < tolerances["adam_sensitive_gradient"]).numpy()
     sample = ddim_sample(model, Schedule(betas), cfg["num_timesteps"], entry["ddim_steps"],
                          entry["ddim_seeds"], ref["x"].shape[1:])
     errors = {"forward": relative_error(y, ref["y"]),
@@ -387,23 +394,24 @@ def check_outputs(work_dir, name, entry, tolerances=TOLERANCES):
               "grad_norm": max(abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"]
                                for a, b in zip(entry["steps"], steps)),
               "ddim": relative_error(sample, ref["ddim"])}
-    lrs = [s["lr"] for s in steps]
-    weight_errors = {prefix: max(float(np.abs(p.detach().numpy().ravel() - ref[f"{prefix}.{n}"].ravel()).max())
-                                 for n, p in module.named_parameters())
-                     for prefix, module in (("model", trainer.model), ("ema", trainer.ema))}
-    line = {"check": "same_weights", "config": name, "forward_max_rel_err": errors["forward"],
-            "loss_max_rel_err": errors["loss"], "grad_norm_max_rel_err": errors["grad_norm"],
-            "weights_max_abs_err": weight_errors["model"], "ema_max_abs_err": weight_errors["ema"],
-            "lr_sum": sum(lrs), f"ddim{entry['ddim_steps']}_max_rel_err": errors["ddim"],
+    lr_sum = sum(s["lr"] for s in steps)
+    for what, saved, module in (("weights", "model", trainer.model), ("ema", "ema", trainer.ema)):
+        for n, p in module.named_parameters():
+            err = np.abs(p.detach().numpy() - ref[f"{saved}.{n}"].reshape(p.shape))
+            for key, mask in ((what, ~sensitive[n]), (f"sensitive_{what}", sensitive[n])):
+                errors[key] = max(errors.get(key, 0.0), float(err[mask].max(initial=0.0)))
+    limits = {key: tolerances[key] for key in ("forward", "loss", "grad_norm", "ddim", "weights")}
+    limits.update(ema=tolerances["weights"], sensitive_weights=tolerances["sensitive_weights"] * lr_sum,
+                  sensitive_ema=tolerances["sensitive_weights"] * lr_sum)
+    line = {"check": "same_weights", "config": name, **{f"{key}_max_err": errors[key] for key in limits},
+            "ddim_steps": entry["ddim_steps"], "lr_sum": lr_sum,
+            "sensitive_entries": int(sum(mask.sum() for mask in sensitive.values())),
             "loss": [[s["loss"] for s in entry["steps"]], [s["loss"] for s in steps]],
             "grad_norm": [[s["grad_norm"] for s in entry["steps"]], [s["grad_norm"] for s in steps]]}
-    failures = [f"{what} max error {errors[what]:.2e} > {tolerances[what]:g}" for what in errors
-                if not errors[what] <= tolerances[what]]
-    bound = tolerances["weights"] * sum(lrs)
-    failures += [f"{prefix} weights after the steps differ by {err:.2e} > {bound:.2e}"
-                 for prefix, err in weight_errors.items() if not err <= bound]
-    if [s["lr"] for s in entry["steps"]] != lrs:
-        failures.append(f"learning rates differ: {[s['lr'] for s in entry['steps']]} vs {lrs}")
+    failures = [f"{key} error {errors[key]:.2e} > {limit:.2e}" for key, limit in limits.items()
+                if not errors[key] <= limit]
+    if [s["lr"] for s in entry["steps"]] != [s["lr"] for s in steps]:
+        failures.append(f"learning rates differ: {[s['lr'] for s in entry['steps']]} vs {[s['lr'] for s in steps]}")
     if failures:
         raise AssertionError(f"{name}: " + "; ".join(failures))
     return line
