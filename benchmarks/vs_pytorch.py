@@ -19,6 +19,7 @@ each side, ratio = megdiffusion / torch (above 1: megdiffusion is faster), the s
 
     .venv/bin/python benchmarks/vs_pytorch.py --torch_python /path/to/python-with-torch
     .venv/bin/python benchmarks/vs_pytorch.py --models cpu --rounds 3 --sample --no_check
+    .venv/bin/python benchmarks/vs_pytorch.py --models cifar --no_train --sample --sample_batch 4
 
 torch is not a dependency of megdiffusion: install the ``bench`` extra (``pip install -e '.[bench]'``) or point
 ``--torch_python`` (default: $MEGDIFFUSION_TORCH_PYTHON, else this interpreter) at any python with torch.
@@ -120,7 +121,8 @@ def benchmark(args):
         run(sys.executable, "megdiffusion_side.py", "reference", args.work_dir, "--models", ",".join(args.models))
         run(tpy, "pytorch_twin.py", "check", args.work_dir)
     for model in args.models:
-        alternate(args, tpy, model, "train", ["--warmup", args.warmup, "--steps", args.steps])
+        if args.train:
+            alternate(args, tpy, model, "train", ["--warmup", args.warmup, "--steps", args.steps])
         if args.sample:
             alternate(args, tpy, model, "ddim", ["--batch", args.sample_batch, "--sample_steps", args.sample_steps])
 
@@ -137,6 +139,7 @@ def parse_args(argv=None):
     parser.add_argument("--cpu_batch", type=int, default=None, help="batch of the cpu model (default: the recipe's)")
     parser.add_argument("--cifar_batch", type=int, default=None, help="batch of the cifar model (default: 16)")
     parser.add_argument("--sample", action="store_true", help="also time DDIM sampling")
+    parser.add_argument("--no_train", dest="train", action="store_false", help="time only DDIM sampling (--sample)")
     parser.add_argument("--sample_steps", type=int, default=50, help="DDIM steps of --sample")
     parser.add_argument("--sample_batch", type=int, default=16, help="images per DDIM call of --sample")
     parser.add_argument("--torch_python", default=None, help=f"python with torch for the twin (default: "
@@ -150,6 +153,8 @@ def parse_args(argv=None):
         parser.error(f"unknown --models {','.join(unknown)}; choose from {', '.join(MODELS)}")
     counts = [args.rounds, args.steps, args.sample_steps, args.sample_batch]
     counts += [batch for batch in (args.cpu_batch, args.cifar_batch) if batch is not None]
+    if not (args.train or args.sample):
+        parser.error("--no_train leaves nothing to time without --sample")
     if min(counts) < 1 or args.warmup < 0:
         parser.error("--rounds, --steps, the batch sizes and --sample_steps must be >= 1, --warmup >= 0")
     return args
