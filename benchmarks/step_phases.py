@@ -8,11 +8,11 @@ counted where it is queued: ``forward`` (the training loss), ``backward``, then 
 - ``flat`` (``megdiffusion.training.flat_update``, the fast CPU path): ``norm`` (gathering the gradients
   and their norm), ``update`` (clip, Adam and EMA in numpy, the parameters written back into MegEngine).
 
-``total`` is the whole step without the syncs. Convolutions take the fast numpy path in both; the update
-path is chosen by replacing ``trainer.fast_conv_enabled`` for the update only, alternating in rounds (the
-first step after each switch is not timed), so machine load hits both alike.
-Prints one JSON line per step, then per model the median of each phase and the ratio of the update
-phases' sums (megengine / flat).
+``total`` is the whole step; ``<phase>_cpu`` the CPU seconds of all threads (steadier than wall seconds
+on a loaded machine). Convolutions take the fast CPU path in both; the update path is chosen by replacing
+``trainer.fast_conv_enabled`` for the update only, alternating in rounds (the first step after each switch
+is not timed), so machine load hits both alike. Prints one JSON line per step, then per model the median
+of each phase and the ratio of the update phases' sums (megengine / flat).
 
     python benchmarks/step_phases.py --models cpu,cifar --rounds 2 --steps 2
 """
@@ -38,7 +38,8 @@ UPDATE_PHASES = {"megengine": ("clip", "adam", "ema"), "flat": ("norm", "update"
 
 
 class PhaseTimer:
-    """Wraps the functions a step calls so that each records its synchronised seconds under a phase name."""
+    """Wraps the functions a step calls so that each records its synchronised wall seconds under a phase
+    name, and its CPU seconds (all threads of the process) under ``<name>_cpu``."""
 
     def __init__(self):
         self.seconds = {}
@@ -46,10 +47,11 @@ class PhaseTimer:
     def wrap(self, name, function):
         def timed(*args, **kwargs):
             mge._full_sync()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             result = function(*args, **kwargs)
             mge._full_sync()
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            for key, value in ((name, time.perf_counter() - start), (f"{name}_cpu", time.process_time() - start_cpu)):
+                self.seconds[key] = self.seconds.get(key, 0.0) + value
             return result
         return timed
 
@@ -76,9 +78,10 @@ def run(name, cfg, x0, rounds, steps):
             trainer.step(x0)  # not timed: the first step after a switch hands the state over
             for _ in range(steps):
                 timer.seconds = {}
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 trainer.step(x0)
-                record = {**timer.seconds, "total": time.perf_counter() - start}
+                record = {**timer.seconds, "total": time.perf_counter() - start,
+                          "total_cpu": time.process_time() - start_cpu}
                 for phase, seconds in record.items():
                     phases[path][phase].append(seconds)
                 print(json.dumps({"model": name, "path": path, "round": round_index,
