@@ -54,7 +54,8 @@ def test_cpu_recipe_end_to_end(tiny_model_flags, tmp_path):
 
 def test_exact_resume_in_a_new_process(tiny_model_flags, tmp_path, npz_data):
     common = ["--dataset=npz", f"--data_path={npz_data}", *tiny_model_flags, "--dropout=0.1", "--num_timesteps=50",
-              "--batch_size=8", "--warmup_steps=3", "--sample_every=0", "--save_every=0", "--log_every=1"]
+              "--batch_size=8", "--warmup_steps=3", "--ema_warmup", "--sample_every=0", "--save_every=0",
+              "--log_every=1"]  # --ema_warmup: the EMA decay depends on the step, so a resume must restore it
     straight, split = tmp_path / "straight", tmp_path / "split"
     # 6 steps of 8 out of 32 images: the run crosses an epoch boundary after the resume.
     runs = [train(*common, "--total_steps=6", f"--logdir={straight}", hashseed=1),

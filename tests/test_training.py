@@ -11,7 +11,7 @@ from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
 from megdiffusion.training import trainer as trainer_module
 from megdiffusion.training.flat_update import FlatUpdateError
-from megdiffusion.training.trainer import NonFiniteLossError, Trainer, warmup_lr
+from megdiffusion.training.trainer import NonFiniteLossError, Trainer, ema_decay_at, warmup_lr
 
 mge = quiet_megengine()
 
@@ -115,18 +115,28 @@ def test_warmup_learning_rates(tiny_config, update_path):
     assert [lr for _, lr, _ in steps] == pytest.approx(logged, rel=1e-3)  # the optimizer really used them
 
 
-def test_ema_matches_closed_form(tiny_config, update_path):
+def test_ema_warmup_decays(tiny_config):
+    cfg = tiny_config(ema_decay=0.9, ema_warmup=True)
+    # (1 + n) / (10 + n) until it reaches --ema_decay: 0.9 from n = 80 on.
+    assert [ema_decay_at(cfg, n) for n in (0, 1, 2, 8, 79, 80, 81, 10 ** 6)] == pytest.approx(
+        [0.1, 2 / 11, 0.25, 0.5, 80 / 89, 0.9, 0.9, 0.9])
+    assert [ema_decay_at(cfg.replace(ema_warmup=False), n) for n in (0, 1, 80)] == [0.9, 0.9, 0.9]
+
+
+@pytest.mark.parametrize("warmup", [False, True])
+def test_ema_matches_closed_form(tiny_config, update_path, warmup):
     decay, steps = 0.9, 4
-    trainer = Trainer(tiny_config(ema_decay=decay))
+    trainer = Trainer(tiny_config(ema_decay=decay, ema_warmup=warmup))
     history = [params_numpy(trainer.model)]
     for k in range(steps):
         trainer.step(toy_batch(seed=k))
         history.append(params_numpy(trainer.model))
-    # ema_k = d^k p_0 + (1 - d) * sum_{i=1..k} d^(k-i) p_i
+    # ema_k = d_{k-1} ema_{k-1} + (1 - d_{k-1}) p_k, ema_0 = p_0; d_n = 0.9, or (1 + n) / (10 + n) warming up.
+    decays = [(1 + n) / (10 + n) if warmup else decay for n in range(steps)]
     for j, ema_param in enumerate(params_numpy(trainer.ema)):
-        expected = decay ** steps * history[0][j].astype(np.float64)
+        expected = history[0][j].astype(np.float64)
         for i in range(1, steps + 1):
-            expected += (1 - decay) * decay ** (steps - i) * history[i][j]
+            expected = decays[i - 1] * expected + (1 - decays[i - 1]) * history[i][j]
         np.testing.assert_allclose(ema_param, expected, rtol=1e-5, atol=1e-6)
     assert not np.allclose(params_numpy(trainer.ema)[0], history[-1][0])
 

@@ -42,6 +42,14 @@ def warmup_lr(cfg, step):
     return cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps)
 
 
+def ema_decay_at(cfg, updates):
+    """EMA decay of the update that follows ``updates`` earlier ones: ``ema_decay``, capped by (1 + n) / (10 + n)
+    with ``ema_warmup``."""
+    if cfg.ema_warmup:
+        return min(cfg.ema_decay, (1 + updates) / (10 + updates))
+    return cfg.ema_decay
+
+
 def step_rng(seed, rank, step):
     """The numpy generator of one rank's step: timesteps, noise and the dropout seed come from it."""
     return np.random.default_rng([seed, rank, step])
@@ -135,19 +143,19 @@ class Trainer:
             raise NonFiniteLossError(f"non-finite loss {loss} (gradient norm {grad_norm}) at step "
                                      f"{self.step_count}; the model was not updated. Try a lower --lr or "
                                      "--grad_clip, and resume from the last checkpoint")
+        ema_decay = ema_decay_at(cfg, self.step_count)
         if flat:
-            self._flat.step(grad_norm, lr, max_norm, cfg.ema_decay)
+            self._flat.step(grad_norm, lr, max_norm, ema_decay)
         else:
             self._optimizer.step()
-            self._update_ema()
+            self._update_ema(ema_decay)
         self._optimizer.clear_grad()
         for ema_buffer, buffer in zip(self._ema.buffers(), self._model.buffers()):
             assign_(ema_buffer, buffer)
         self.step_count += 1
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr}
 
-    def _update_ema(self):
-        decay = self.cfg.ema_decay
+    def _update_ema(self, decay):
         for ema_param, param in zip(self._ema.parameters(), self._model.parameters()):
             assign_(ema_param, ema_param * decay + param * (1.0 - decay))
 
