@@ -25,7 +25,11 @@ def test_demo_trains_samples_scores_and_resumes(tmp_path):
     summary = json.loads((output / "summary.json").read_text())
     assert summary["steps"] >= 1 and summary["steps_this_run"] == summary["steps"]
     assert np.isfinite(summary["fid"]) and summary["fid"] > 0 and summary["fid_num_images"] == 4
-    assert f"FID {summary['fid']:.2f}" in first.stdout
+    assert 0 < summary["fid_floor"] < summary["fid"]  # 4 real images are closer to the data than 4 barely trained
+    assert summary["verdict"] == "still far from the data; train longer with --resume"
+    assert (f"FID {summary['fid']:.2f} (real-data floor {summary['fid_floor']:.2f} in this protocol): still far from "
+            "the data; train longer with --resume") in first.stdout
+    assert sorted(os.listdir(output / "reference")) == ["fashion_mnist_first6.npz", "fashion_mnist_last4.npz"]
     samples = np.load(output / "samples.npz")["arr_0"]
     assert samples.shape == (4, 28, 28, 1) and samples.dtype == np.uint8
     assert Image.open(output / "real.png").size == (2 + 8 * 30, 2 + 8 * 30)  # 8x8 real images, 2px gaps
@@ -59,6 +63,23 @@ def test_demo_checks_the_sampler_before_training(tmp_path):
     result = run_demo(output, home, "--steps=1001")  # the recipe's T is 1000
     assert result.returncode == 2 and "steps must be an integer between 1 and T=1000" in result.stderr
     assert not (output / "train").exists()
+
+
+def test_demo_refuses_floor_images_that_overlap_the_reference(tmp_path):
+    home, output = tmp_path / "home", tmp_path / "out"
+    home.mkdir()
+    result = run_demo(output, home, "--num_images=6000", "--num_reference=5000")
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: --num_images 6000 + --num_reference 5000 is more than the 10000 training images: the floor's real "
+        "images must be apart from the reference"]
+    assert not output.exists()
+
+
+def test_verdict_is_close_within_one_and_a_half_floors():
+    from megdiffusion.scripts.demo import verdict
+
+    assert verdict(49.5, 33.0) == verdict(33.0, 33.0) == "samples close to the data"
+    assert verdict(49.6, 33.0) == "still far from the data; train longer with --resume"
 
 
 def test_ctrl_c_during_training_saves_a_checkpoint_and_stops_the_whole_demo(tmp_path):
