@@ -5,13 +5,16 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
+REPO = Path(__file__).resolve().parents[1]  # the code under test, not an installed copy (the demo runs elsewhere)
+
 
 def run_demo(output, home, *extra):
-    env = dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"))
+    env = dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), PYTHONPATH=str(REPO))
     args = [sys.executable, "-m", "megdiffusion.scripts.demo", "--minutes=0.02", "--num_images=4",
             "--num_reference=6", "--steps=2", "--batch_size=4", f"--output={output}", *extra]
     return subprocess.run(args, capture_output=True, text=True, timeout=600, env=env, cwd=home)
@@ -85,7 +88,7 @@ def test_verdict_is_close_within_one_and_a_half_floors():
 def test_ctrl_c_during_training_saves_a_checkpoint_and_stops_the_whole_demo(tmp_path):
     home, output = tmp_path / "home", tmp_path / "out"
     home.mkdir()
-    env = dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"))
+    env = dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), PYTHONPATH=str(REPO))
     demo = subprocess.Popen([sys.executable, "-m", "megdiffusion.scripts.demo", "--minutes=5", "--num_images=4",
                              "--num_reference=6", "--steps=2", "--batch_size=4", f"--output={output}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=home)
