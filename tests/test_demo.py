@@ -30,7 +30,7 @@ def test_demo_trains_samples_scores_and_resumes(tmp_path):
     assert np.isfinite(summary["fid"]) and summary["fid"] > 0 and summary["fid_num_images"] == 4
     assert 0 < summary["fid_floor"] < summary["fid"]  # 4 real images are closer to the data than 4 barely trained
     assert summary["verdict"] == "still far from the data; train longer with --resume"
-    assert (f"FID {summary['fid']:.2f} (real-data floor {summary['fid_floor']:.2f} in this protocol): still far from "
+    assert (f"FID {summary['fid']:.2f} (real-data floor {summary['fid_floor']:.1f} in this protocol): still far from "
             "the data; train longer with --resume") in first.stdout
     assert sorted(os.listdir(output / "reference")) == ["fashion_mnist_first6.npz", "fashion_mnist_last4.npz"]
     samples = np.load(output / "samples.npz")["arr_0"]

@@ -122,7 +122,7 @@ def main(argv):
                  FLAGS.num_images, FLAGS.num_reference, FLAGS.sampler, FLAGS.steps, FLAGS.batch_size)
     print(f"\ndemo: {s['steps']} training steps ({s['steps_this_run']} in this run, {s['train_minutes']} min, "
           f"{s['train_images_per_s']} images/s)\n"
-          f"demo: FID {s['fid']:.2f} (real-data floor {s['fid_floor']:.2f} in this protocol): {s['verdict']}\n"
+          f"demo: FID {s['fid']:.2f} (real-data floor {s['fid_floor']:.1f} in this protocol): {s['verdict']}\n"
           f"demo: the protocol: {s['fid_num_images']} EMA samples ({s['sampler']}) vs {s['fid_reference']}; the "
           f"floor scores the split's last {s['fid_num_images']} real images the same way\n"
           f"demo: samples {s['samples_grid']}  real images {s['real_grid']}  summary "
