@@ -20,10 +20,14 @@ setup(
     package_data={"megdiffusion": ["configs/*.cfg", "data/assets/*.gz"]},
     include_package_data=True,
     python_requires=">=3.8,<3.11",
-    install_requires=["megengine>=1.9", "numpy<2", "absl-py", "tqdm", "pillow", "threadpoolctl>=3"],
+    # oneDNN's JIT convolutions for CPU training (megdiffusion.nn.onednn); elsewhere the numpy kernels run.
+    install_requires=["megengine>=1.9", "numpy<2", "absl-py", "tqdm", "pillow", "threadpoolctl>=3",
+                      "onednn-cpu-gomp==2023.2.0; sys_platform == 'linux' and platform_machine == 'x86_64'"],
     extras_require={
         "dev": ["pytest", "scipy", "wheel", "ruff>=0.17,<0.18"],
         "tensorboard": ["tensorboardX"],
+        # benchmarks/vs_pytorch.py's PyTorch twin only; megdiffusion never imports torch.
+        "bench": ["torch"],
     },
     entry_points={
         "console_scripts": [

@@ -95,6 +95,8 @@ CASES = [
     ("17:lr-nan", "train", [*TRAIN, "--logdir=new", "--lr=nan"], "--lr must be a finite number, got nan"),
     ("17:lr-inf", "train", [*TRAIN, "--logdir=new", "--lr=inf"], "--lr must be a finite number, got inf"),
     ("lr-overflow", "train", [*TRAIN, "--logdir=new", "--lr=1e400"], "--lr must be a finite number, got inf"),
+    ("ema-warmup-not-boolean", "train", [*TRAIN, "--logdir=new", "--ema_warmup=often"],
+     "flag --ema_warmup=often: ('Non-boolean argument to boolean flag', 'often')"),
     ("17:grad-clip-nan", "train", [*TRAIN, "--logdir=new", "--grad_clip=nan"], "--grad_clip must be a finite number"),
     ("17:logdir-proc", "train", [*TRAIN, "--logdir=/proc/x"], "--logdir /proc/x cannot be written"),
     ("17:logdir-file", "train", [*TRAIN, "--logdir=afile.txt"], "--logdir afile.txt is a file"),

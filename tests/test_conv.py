@@ -15,6 +15,7 @@ from megengine.autodiff import GradManager  # noqa: E402
 
 from megdiffusion import batch_threads  # noqa: E402
 from megdiffusion.nn import conv as conv_module  # noqa: E402
+from megdiffusion.nn import onednn  # noqa: E402
 from megdiffusion.nn.conv import Conv2d, fast_conv_enabled, set_fast_conv  # noqa: E402
 
 
@@ -25,17 +26,27 @@ def restore_setting():
     conv_module._setting, conv_module._auto = saved
 
 
+@pytest.fixture(params=["numpy", "onednn"])
+def cpu_kernel(request, monkeypatch):
+    """Runs a test on each CPU kernel of the fast path: im2col + BLAS in numpy, and oneDNN (3x3 and larger)."""
+    if request.param == "onednn" and not onednn.available():
+        pytest.skip("oneDNN is not installed here")
+    if request.param == "numpy":
+        monkeypatch.setattr(onednn, "available", lambda: False)
+    return request.param
+
+
 @pytest.fixture
 def weight_grad_calls(monkeypatch):
-    """Counts calls of the numpy weight-gradient routine, i.e. backward passes that took the fast path."""
+    """Counts calls of the weight-gradient routines (numpy's or oneDNN's), i.e. backward passes that took the
+    fast path."""
     calls = []
-    original = conv_module._weight_grad
+    for owner, name in ((conv_module, "_weight_grad"), (onednn, "conv2d_backward")):
+        def spy(*args, original=getattr(owner, name), **kwargs):
+            calls.append(args[0].shape)
+            return original(*args, **kwargs)
 
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(conv_module, "_weight_grad", spy)
+        monkeypatch.setattr(owner, name, spy)
     return calls
 
 
@@ -67,7 +78,7 @@ def random_case(rng, conv, batch, height, width):
 
 
 @pytest.mark.parametrize("stride,padding,kernel", list(itertools.product((1, 2), (0, 1), (1, 3))))
-def test_fast_gradients_equal_native(stride, padding, kernel, weight_grad_calls):
+def test_fast_gradients_equal_native(stride, padding, kernel, weight_grad_calls, cpu_kernel):
     rng = np.random.default_rng(stride * 100 + padding * 10 + kernel)
     for bias, (batch, height, width) in itertools.product((True, False), ((1, 7, 9), (3, 8, 8), (2, 5, 6))):
         conv = Conv2d(3, 4, kernel, stride=stride, padding=padding, bias=bias)
@@ -83,7 +94,7 @@ def test_fast_gradients_equal_native(stride, padding, kernel, weight_grad_calls)
 
 
 @pytest.mark.parametrize("kernel,stride,padding", [((1, 3), (2, 1), (0, 1)), (3, 1, 1)])
-def test_rectangular_kernels_and_chunked_im2col(kernel, stride, padding, monkeypatch):
+def test_rectangular_kernels_and_chunked_im2col(kernel, stride, padding, monkeypatch, cpu_kernel):
     monkeypatch.setattr(conv_module, "_MAX_COLS", 100)  # forces one im2col chunk per sample
     rng = np.random.default_rng(1)
     conv = Conv2d(2, 3, kernel, stride=stride, padding=padding)
@@ -95,7 +106,7 @@ def test_rectangular_kernels_and_chunked_im2col(kernel, stride, padding, monkeyp
 
 
 @pytest.mark.parametrize("stride", [1, 2])
-def test_results_do_not_depend_on_thread_count(stride, monkeypatch):
+def test_results_do_not_depend_on_thread_count(stride, monkeypatch, cpu_kernel):
     """The batch is split across threads; every output and gradient is bit-identical for 1, 2 or 3
     threads (odd batch: uneven chunks), and matches the single-threaded result of one sample at a time."""
     rng = np.random.default_rng(7)
@@ -203,22 +214,31 @@ def test_state_dict_interchangeable_with_native_module():
     np.testing.assert_array_equal(back(x).numpy(), native(x).numpy())
 
 
-def test_eval_mode_uses_the_native_forward(monkeypatch):
-    """Sampling (eval mode) keeps MegEngine's forward: bit-identical to M.Conv2d, no numpy convolution."""
-    numpy_calls = []
-    original = conv_module._correlate
-    monkeypatch.setattr(conv_module, "_correlate", lambda *args: numpy_calls.append(1) or original(*args))
+@pytest.mark.parametrize("kernel", [1, 3])
+def test_eval_mode_forward(kernel, monkeypatch, cpu_kernel):
+    """Eval mode (sampling): oneDNN's forward for kernels above 1x1 when it is installed; otherwise MegEngine's
+    forward, bit-identical to M.Conv2d. Training mode always takes the fast path."""
+    fast_calls = []
+    for owner, name in ((conv_module, "_correlate"), (onednn, "conv2d_forward")):
+        original = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *args, original=original: fast_calls.append(name) or original(*args))
     rng = np.random.default_rng(8)
-    fast, native = Conv2d(3, 4, 3, padding=1), M.Conv2d(3, 4, 3, padding=1)
+    fast, native = Conv2d(3, 4, kernel, padding=kernel // 2), M.Conv2d(3, 4, kernel, padding=kernel // 2)
     native.load_state_dict(fast.state_dict())
-    x = megengine.tensor(rng.standard_normal((2, 3, 6, 6)).astype("float32"))
+    x = megengine.tensor(rng.standard_normal((5, 3, 6, 6)).astype("float32"))
     set_fast_conv(True)
     fast.eval()
-    np.testing.assert_array_equal(fast(x).numpy(), native(x).numpy())
-    assert numpy_calls == []
+    y_eval = fast(x).numpy()
+    if cpu_kernel == "onednn" and kernel > 1:
+        assert fast_calls == ["conv2d_forward"]
+        assert_close(y_eval, native(x).numpy())
+    else:
+        assert fast_calls == []
+        np.testing.assert_array_equal(y_eval, native(x).numpy())
     fast.train()
+    calls_before = len(fast_calls)
     assert_close(fast(x).numpy(), native(x).numpy())
-    assert numpy_calls == [1]
+    assert len(fast_calls) == calls_before + 1
 
 
 class TwoConvNet(M.Module):
@@ -254,7 +274,7 @@ def train_two_steps(fast):
     return norms, [p.numpy() for p in net.parameters()]
 
 
-def test_training_with_clipping_and_adam_matches_native():
+def test_training_with_clipping_and_adam_matches_native(cpu_kernel):
     norms_native, params_native = train_two_steps(False)
     norms_fast, params_fast = train_two_steps(True)
     assert norms_native[0] > 0.5  # clipping is active, so the global norm matters

@@ -5,13 +5,16 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
+REPO = Path(__file__).resolve().parents[1]  # the code under test, not an installed copy (the demo runs elsewhere)
+
 
 def run_demo(output, home, *extra):
-    env = dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"))
+    env = dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), PYTHONPATH=str(REPO))
     args = [sys.executable, "-m", "megdiffusion.scripts.demo", "--minutes=0.02", "--num_images=4",
             "--num_reference=6", "--steps=2", "--batch_size=4", f"--output={output}", *extra]
     return subprocess.run(args, capture_output=True, text=True, timeout=600, env=env, cwd=home)
@@ -25,7 +28,11 @@ def test_demo_trains_samples_scores_and_resumes(tmp_path):
     summary = json.loads((output / "summary.json").read_text())
     assert summary["steps"] >= 1 and summary["steps_this_run"] == summary["steps"]
     assert np.isfinite(summary["fid"]) and summary["fid"] > 0 and summary["fid_num_images"] == 4
-    assert f"FID {summary['fid']:.2f}" in first.stdout
+    assert 0 < summary["fid_floor"] < summary["fid"]  # 4 real images are closer to the data than 4 barely trained
+    assert summary["verdict"] == "still far from the data; train longer with --resume"
+    assert (f"FID {summary['fid']:.2f} (real-data floor {summary['fid_floor']:.1f} in this protocol): still far from "
+            "the data; train longer with --resume") in first.stdout
+    assert sorted(os.listdir(output / "reference")) == ["fashion_mnist_first6.npz", "fashion_mnist_last4.npz"]
     samples = np.load(output / "samples.npz")["arr_0"]
     assert samples.shape == (4, 28, 28, 1) and samples.dtype == np.uint8
     assert Image.open(output / "real.png").size == (2 + 8 * 30, 2 + 8 * 30)  # 8x8 real images, 2px gaps
@@ -61,10 +68,27 @@ def test_demo_checks_the_sampler_before_training(tmp_path):
     assert not (output / "train").exists()
 
 
+def test_demo_refuses_floor_images_that_overlap_the_reference(tmp_path):
+    home, output = tmp_path / "home", tmp_path / "out"
+    home.mkdir()
+    result = run_demo(output, home, "--num_images=6000", "--num_reference=5000")
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: --num_images 6000 + --num_reference 5000 is more than the 10000 training images: the floor's real "
+        "images must be apart from the reference"]
+    assert not output.exists()
+
+
+def test_verdict_is_close_within_one_and_a_half_floors():
+    from megdiffusion.scripts.demo import verdict
+
+    assert verdict(49.5, 33.0) == verdict(33.0, 33.0) == "samples close to the data"
+    assert verdict(49.6, 33.0) == "still far from the data; train longer with --resume"
+
+
 def test_ctrl_c_during_training_saves_a_checkpoint_and_stops_the_whole_demo(tmp_path):
     home, output = tmp_path / "home", tmp_path / "out"
     home.mkdir()
-    env = dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"))
+    env = dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), PYTHONPATH=str(REPO))
     demo = subprocess.Popen([sys.executable, "-m", "megdiffusion.scripts.demo", "--minutes=5", "--num_images=4",
                              "--num_reference=6", "--steps=2", "--batch_size=4", f"--output={output}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=home)

@@ -61,7 +61,8 @@ IMPROVED = ["--var_type=learned_range", "--loss_type=hybrid", "--use_scale_shift
 @pytest.mark.parametrize("recipe", [[], IMPROVED], ids=["ddpm", "improved"])
 def test_exact_resume_in_a_new_process(tiny_model_flags, tmp_path, npz_data, recipe):
     common = ["--dataset=npz", f"--data_path={npz_data}", *tiny_model_flags, "--dropout=0.1", "--num_timesteps=50",
-              "--batch_size=8", "--warmup_steps=3", "--sample_every=0", "--save_every=0", "--log_every=1", *recipe]
+              "--batch_size=8", "--warmup_steps=3", "--ema_warmup", "--sample_every=0", "--save_every=0",
+              "--log_every=1", *recipe]  # --ema_warmup: the EMA decay depends on the step, so a resume must restore it
     straight, split = tmp_path / "straight", tmp_path / "split"
     # 6 steps of 8 out of 32 images: the run crosses an epoch boundary after the resume.
     runs = [train(*common, "--total_steps=6", f"--logdir={straight}", hashseed=1),

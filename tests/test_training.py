@@ -1,12 +1,17 @@
 """Trainer.step on tiny configs: learning, clipping, warmup, EMA, guards, determinism."""
 import numpy as np
 import pytest
+from threadpoolctl import threadpool_limits
+
+from megdiffusion import batch_threads
 
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.data.loader import BatchLoader
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
-from megdiffusion.training.trainer import NonFiniteLossError, Trainer, warmup_lr
+from megdiffusion.training import trainer as trainer_module
+from megdiffusion.training.flat_update import FlatUpdateError
+from megdiffusion.training.trainer import NonFiniteLossError, Trainer, ema_decay_at, warmup_lr
 
 mge = quiet_megengine()
 
@@ -23,6 +28,19 @@ def params_numpy(module):
     return [p.numpy().copy() for p in module.parameters()]
 
 
+def state_by_kind(trainer):
+    """{"model", "ema", "exp_avg", "exp_avg_sq", "step"}: lists of numpy arrays in parameter order."""
+    state = trainer.optimizer.state_dict()["state"]
+    kinds = {"model": params_numpy(trainer.model), "ema": params_numpy(trainer.ema)}
+    kinds.update({key: [state[i][key] for i in sorted(state)] for key in ("exp_avg", "exp_avg_sq", "step")})
+    return kinds
+
+
+def full_state(trainer):
+    """Parameters, EMA weights, Adam's moments and step counts: one list of numpy arrays."""
+    return [array for arrays in state_by_kind(trainer).values() for array in arrays]
+
+
 def fixed_loss(trainer, x0):
     """Mean training loss at fixed timesteps and noise (no randomness), in eval mode."""
     rng = np.random.default_rng(123)
@@ -33,19 +51,29 @@ def fixed_loss(trainer, x0):
     return float(loss.mean())
 
 
-def record_applied_gradients(trainer):
-    """Make ``trainer.optimizer.step`` record (global gradient norm, lr) just before it applies them."""
-    applied = []
-    original = trainer.optimizer.step
+@pytest.fixture(params=["megengine", "flat"])
+def update_path(request, monkeypatch):
+    """Run the test with clipping, Adam and the EMA on MegEngine (as with native convolutions or a GPU) and in
+    numpy (``flat_update``, the fast CPU path); the convolutions take the same path in both."""
+    monkeypatch.setattr(trainer_module, "fast_conv_enabled", lambda: request.param == "flat")
+    return request.param
 
-    def step():
-        grads = [p.grad.numpy().astype(np.float64) for p in trainer.params]
-        norm = np.sqrt(sum((g ** 2).sum() for g in grads))
-        applied.append((norm, trainer.optimizer.param_groups[0]["lr"]))
-        return original()
 
-    trainer.optimizer.step = step
-    return applied
+def applied_step(trainer, x0):
+    """Step ``trainer`` on ``x0``: its metrics, the learning rate the step applied, and the norm of the gradient
+    it applied (its first step only), read back from the parameters and Adam's state."""
+    before = params_numpy(trainer.model)
+    metrics = trainer.step(x0)
+    state = trainer.optimizer.state_dict()["state"]
+    k = float(state[0]["step"])
+    exp_avg = [state[i]["exp_avg"].astype(np.float64) for i in range(len(before))]
+    exp_avg_sq = [state[i]["exp_avg_sq"].astype(np.float64) for i in range(len(before))]
+    ratios = []
+    for old, new, m, v in zip(before, params_numpy(trainer.model), exp_avg, exp_avg_sq):
+        delta = (m / (1 - 0.9 ** k)) / (np.sqrt(v / (1 - 0.999 ** k)) + 1e-8)
+        ratios.append(((old - new) / delta)[np.abs(delta) > 0.5])
+    grad_norm = np.sqrt(sum((m ** 2).sum() for m in exp_avg)) / (1 - 0.9) if k == 1 else None
+    return metrics, float(np.median(np.concatenate(ratios))), grad_norm
 
 
 def test_a_two_level_unet_learns_and_runs_after_its_steps(tiny_config, synchronous):
@@ -64,53 +92,59 @@ def test_a_two_level_unet_learns_and_runs_after_its_steps(tiny_config, synchrono
     assert after < 0.5 * before, (before, after)
 
 
-def test_tiny_clip_bounds_the_applied_gradient_norm(tiny_config):
-    trainer = Trainer(tiny_config(grad_clip=1e-3))
-    applied = record_applied_gradients(trainer)
-    metrics = trainer.step(toy_batch())
-    applied_norm, _ = applied[0]
+def test_tiny_clip_bounds_the_applied_gradient_norm(tiny_config, update_path):
+    metrics, _, applied_norm = applied_step(Trainer(tiny_config(grad_clip=1e-3)), toy_batch())
     assert metrics["grad_norm"] > 100 * 1e-3  # the logged norm is the one before clipping
     assert applied_norm == pytest.approx(1e-3, rel=1e-4)
 
 
-def test_clip_zero_leaves_gradients_alone(tiny_config):
-    trainer = Trainer(tiny_config(grad_clip=0.0))
-    applied = record_applied_gradients(trainer)
-    metrics = trainer.step(toy_batch())
-    assert applied[0][0] == pytest.approx(metrics["grad_norm"], rel=1e-5)
+def test_clip_zero_leaves_gradients_alone(tiny_config, update_path):
+    metrics, _, applied_norm = applied_step(Trainer(tiny_config(grad_clip=0.0)), toy_batch())
+    assert applied_norm == pytest.approx(metrics["grad_norm"], rel=1e-5)
     assert metrics["grad_norm"] > 1e-2
 
 
-def test_warmup_learning_rates(tiny_config):
+def test_warmup_learning_rates(tiny_config, update_path):
     cfg = tiny_config(lr=1e-3, warmup_steps=4)
     assert [warmup_lr(cfg, k) for k in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
     assert warmup_lr(tiny_config(lr=1e-3, warmup_steps=0), 0) == 1e-3
     trainer = Trainer(cfg)
-    applied = record_applied_gradients(trainer)
-    logged = [trainer.step(toy_batch(seed=k))["lr"] for k in range(5)]
+    steps = [applied_step(trainer, toy_batch(seed=k)) for k in range(5)]
+    logged = [metrics["lr"] for metrics, _, _ in steps]
     assert logged == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
-    assert [lr for _, lr in applied] == logged  # the optimizer really used them
+    assert [lr for _, lr, _ in steps] == pytest.approx(logged, rel=1e-3)  # the optimizer really used them
 
 
-def test_ema_matches_closed_form(tiny_config):
+def test_ema_warmup_decays(tiny_config):
+    cfg = tiny_config(ema_decay=0.9, ema_warmup=True)
+    # (1 + n) / (10 + n) until it reaches --ema_decay: 0.9 from n = 80 on.
+    assert [ema_decay_at(cfg, n) for n in (0, 1, 2, 8, 79, 80, 81, 10 ** 6)] == pytest.approx(
+        [0.1, 2 / 11, 0.25, 0.5, 80 / 89, 0.9, 0.9, 0.9])
+    assert [ema_decay_at(cfg.replace(ema_warmup=False), n) for n in (0, 1, 80)] == [0.9, 0.9, 0.9]
+
+
+@pytest.mark.parametrize("warmup", [False, True])
+def test_ema_matches_closed_form(tiny_config, update_path, warmup):
     decay, steps = 0.9, 4
-    trainer = Trainer(tiny_config(ema_decay=decay))
+    trainer = Trainer(tiny_config(ema_decay=decay, ema_warmup=warmup))
     history = [params_numpy(trainer.model)]
     for k in range(steps):
         trainer.step(toy_batch(seed=k))
         history.append(params_numpy(trainer.model))
-    # ema_k = d^k p_0 + (1 - d) * sum_{i=1..k} d^(k-i) p_i
+    # ema_k = d_{k-1} ema_{k-1} + (1 - d_{k-1}) p_k, ema_0 = p_0; d_n = 0.9, or (1 + n) / (10 + n) warming up.
+    decays = [(1 + n) / (10 + n) if warmup else decay for n in range(steps)]
     for j, ema_param in enumerate(params_numpy(trainer.ema)):
-        expected = decay ** steps * history[0][j].astype(np.float64)
+        expected = history[0][j].astype(np.float64)
         for i in range(1, steps + 1):
-            expected += (1 - decay) * decay ** (steps - i) * history[i][j]
+            expected = decays[i - 1] * expected + (1 - decays[i - 1]) * history[i][j]
         np.testing.assert_allclose(ema_param, expected, rtol=1e-5, atol=1e-6)
     assert not np.allclose(params_numpy(trainer.ema)[0], history[-1][0])
 
 
-def test_non_finite_loss_stops_without_updating(tiny_config):
-    trainer = Trainer(tiny_config())
+def test_non_finite_loss_stops_without_updating(tiny_config, update_path):
+    trainer, reference = Trainer(tiny_config()), Trainer(tiny_config())
     trainer.step(toy_batch())
+    reference.step(toy_batch())
     before, ema_before = params_numpy(trainer.model), params_numpy(trainer.ema)
     bad = toy_batch()
     bad[0, 0, 0, 0] = np.nan
@@ -119,6 +153,11 @@ def test_non_finite_loss_stops_without_updating(tiny_config):
     assert trainer.step_count == 1
     for a, b in zip(before + ema_before, params_numpy(trainer.model) + params_numpy(trainer.ema)):
         np.testing.assert_array_equal(a, b)
+    # The run goes on as if the bad batch had never come (Adam's state and the step count untouched).
+    trainer.step(toy_batch(seed=1))
+    reference.step(toy_batch(seed=1))
+    for a, b in zip(full_state(trainer), full_state(reference)):
+        np.testing.assert_array_equal(a, b)
 
 
 IMPROVED = dict(var_type="learned_range", loss_type="hybrid", use_scale_shift_norm=True, num_heads=2,
@@ -126,7 +165,7 @@ IMPROVED = dict(var_type="learned_range", loss_type="hybrid", use_scale_shift_no
 
 
 @pytest.mark.parametrize("recipe", [{}, IMPROVED], ids=["ddpm", "improved"])
-def test_same_seed_same_run_and_state_round_trip(tiny_config, recipe):
+def test_same_seed_same_run_and_state_round_trip(tiny_config, recipe, update_path):
     def run(seed, steps):
         trainer = Trainer(tiny_config(seed=seed, dropout=0.2, **recipe))
         for k in range(steps):
@@ -147,6 +186,114 @@ def test_same_seed_same_run_and_state_round_trip(tiny_config, recipe):
     for x, y in zip(params_numpy(a.model) + params_numpy(a.ema),
                     params_numpy(resumed.model) + params_numpy(resumed.ema)):
         np.testing.assert_array_equal(x, y)
+
+
+def use_flat_update(monkeypatch, flat):
+    """Clipping, Adam and the EMA in numpy (``flat_update``) from the next step on, or on MegEngine."""
+    monkeypatch.setattr(trainer_module, "fast_conv_enabled", lambda: flat)
+
+
+def same_state(trainer, other):
+    """Load ``other``'s weights, EMA, Adam state and step count into ``trainer`` (a checkpoint round trip)."""
+    loader = BatchLoader(np.zeros((8, 8, 8, 1), np.uint8), batch_size=8, seed=0)
+    ckpt.restore(ckpt.snapshot(other, loader), "memory", trainer, loader)
+
+
+@pytest.mark.parametrize("grad_clip", [0.0, 1e-2])
+def test_the_flat_update_is_megengine_clip_adam_and_ema(tiny_config, monkeypatch, grad_clip):
+    """From the same state, each step on the flat numpy update equals MegEngine's clip_grad_norm + Adam + EMA
+    up to float32 rounding (the norm's summation order; sqrt where MegEngine takes a power of 0.5), and bit for
+    bit where those do not enter."""
+    cfg = tiny_config(grad_clip=grad_clip, warmup_steps=2, ema_decay=0.9, lr=1e-3)
+    megengine_run, flat_run = Trainer(cfg), Trainer(cfg)
+    for k in range(4):
+        same_state(flat_run, megengine_run)
+        use_flat_update(monkeypatch, False)
+        expected = megengine_run.step(toy_batch(seed=k))
+        use_flat_update(monkeypatch, True)
+        got = flat_run.step(toy_batch(seed=k))
+        assert got["loss"] == expected["loss"] and got["lr"] == expected["lr"]
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-6)
+        assert grad_clip == 0 or expected["grad_norm"] > 10 * grad_clip  # clipping at work
+        expected_state, state = state_by_kind(megengine_run), state_by_kind(flat_run)
+        for kind, arrays in state.items():
+            scale = max(np.abs(b).max() for b in expected_state[kind])  # small ones lose digits to cancellation
+            for a, b in zip(arrays, expected_state[kind]):
+                assert a.dtype == b.dtype and a.shape == b.shape
+                np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-6 * scale)
+        if grad_clip == 0:  # the same gradients: the same operations in the same order, but for sqrt's last bit
+            for kind in ("exp_avg", "exp_avg_sq", "step"):
+                for a, b in zip(state[kind], expected_state[kind]):
+                    np.testing.assert_array_equal(a, b)
+            for ema, expected, param, expected_param in zip(state["ema"], expected_state["ema"], state["model"],
+                                                             expected_state["model"]):
+                same = param == expected_param
+                np.testing.assert_array_equal(ema[same], expected[same])
+
+
+def test_flat_state_handed_back_and_forth_changes_nothing(tiny_config, monkeypatch):
+    """Reading ``model``/``ema``/``optimizer`` writes the flat state back into MegEngine, and the next step takes
+    it again: a run read after every step equals one never read until its end, bit for bit."""
+    use_flat_update(monkeypatch, True)
+    read, unread = Trainer(tiny_config(dropout=0.2)), Trainer(tiny_config(dropout=0.2))
+    for k in range(4):
+        read.step(toy_batch(seed=k))
+        unread.step(toy_batch(seed=k))
+        full_state(read)
+    for a, b in zip(full_state(read), full_state(unread)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("saved_on, resumed_on", [("flat", "megengine"), ("megengine", "flat")])
+def test_a_checkpoint_resumes_exactly_on_the_other_update_path(tiny_config, monkeypatch, saved_on, resumed_on):
+    """A checkpoint has the same layout on both paths, and a run saved on one resumes on the other exactly as
+    the saving process goes on when it switches paths."""
+    use_flat_update(monkeypatch, saved_on == "flat")
+    run = Trainer(tiny_config(grad_clip=1e-2))
+    for k in range(2):
+        run.step(toy_batch(seed=k))
+    loader = BatchLoader(np.zeros((8, 8, 8, 1), np.uint8), batch_size=8, seed=0)
+    saved = ckpt.snapshot(run, loader)
+    other = Trainer(tiny_config(grad_clip=1e-2))
+    other.step(toy_batch())
+    use_flat_update(monkeypatch, resumed_on == "flat")
+    layout = ckpt.snapshot(other, loader)
+    assert saved["optimizer"]["param_groups"] == layout["optimizer"]["param_groups"]
+    for i, state in layout["optimizer"]["state"].items():
+        assert {k: (v.dtype, v.shape) for k, v in saved["optimizer"]["state"][i].items()} == \
+            {k: (v.dtype, v.shape) for k, v in state.items()}
+    resumed = Trainer(tiny_config(grad_clip=1e-2))
+    ckpt.restore(saved, "memory", resumed, loader)
+    for k in range(2, 4):
+        run.step(toy_batch(seed=k))
+        resumed.step(toy_batch(seed=k))
+    for a, b in zip(full_state(run), full_state(resumed)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_flat_update_refuses_adam_state_it_does_not_reproduce(tiny_config, monkeypatch):
+    trainer = Trainer(tiny_config())
+    trainer.step(toy_batch())
+    state = trainer.optimizer.state_dict()
+    state["state"][0]["step"] = np.array(7.0, np.float32)  # a parameter that missed steps: no such UNet
+    trainer.optimizer.load_state_dict(state)
+    use_flat_update(monkeypatch, True)
+    with pytest.raises(FlatUpdateError, match=r"step counts \[1.0, 7.0\]"):
+        trainer.step(toy_batch())
+
+
+def test_flat_steps_do_not_depend_on_thread_counts(tiny_config, monkeypatch):
+    use_flat_update(monkeypatch, True)
+    states = []
+    for threads in (1, 2):
+        monkeypatch.setattr(batch_threads, "THREADS", threads)
+        trainer = Trainer(tiny_config(model_channels=64, norm_groups=8))
+        with threadpool_limits(threads, user_api="blas"):
+            for k in range(2):
+                trainer.step(toy_batch(seed=k))
+        states.append(full_state(trainer))
+    for a, b in zip(*states):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_ranks_draw_different_timesteps_and_noise(tiny_config):

@@ -1,32 +1,37 @@
-"""Conv2d used by every convolution of the UNet, computed in numpy on CPUs.
+"""Conv2d used by every convolution of the UNet, computed outside MegEngine on CPUs.
 
 MegEngine's x86 kernel for the convolution *weight* gradient is very slow (measured on 2 cores: 3.8 s
 against 0.16 s for the forward pass of a 64->64 3x3 conv on 16x64x32x32), and its default forward
 kernels were ~1.9x slower than im2col + OpenBLAS on the CPU recipe's shapes. On the fast path the
-convolution is a ``megengine.autodiff.Function`` computed in numpy:
+convolution is a ``megengine.autodiff.Function`` with two kernels:
 
-- forward: im2col of the input (a strided view, copied per batch chunk), one matmul per sample;
-- weight gradient: the same im2col, one matmul per sample with dy, the products summed in batch order;
-- input gradient: stride 1, a correlation of dy with the flipped, transposed kernel (padding k - 1 - p);
-  other strides, W^T dy per window added back window by window (col2im);
-- bias gradient: dy summed over batch and space (float64 accumulation).
+- oneDNN's JIT convolutions (``megdiffusion.nn.onednn``) for kernels larger than 1x1, forward and backward,
+  when the library is installed (2-4x faster than the numpy kernels on the UNet's 3x3 shapes);
+- numpy for 1x1 kernels (a plain matmul, where oneDNN's per-call overhead lost) and wherever oneDNN is
+  missing: im2col of the input (a strided view, copied per batch chunk), one matmul per sample; weight
+  gradient: the same im2col, one matmul per sample with dy, the products summed in batch order; input
+  gradient: stride 1, a correlation of dy with the flipped, transposed kernel (padding k - 1 - p); other
+  strides, W^T dy per window added back window by window (col2im); bias gradient: dy summed over batch and
+  space (float64 accumulation).
 
-The batch is split into contiguous chunks that run on one thread per core while OpenBLAS is held to
-one thread (``megdiffusion.batch_threads``): the im2col copies run in parallel too, and every sample's
-matmuls are the same whatever the chunking, so results are bit-identical on any core count. Outputs
-and gradients equal MegEngine's up to float32 rounding (tests: 1e-5 relative).
+Both split the batch into chunks that run on one thread per core while OpenBLAS is held to one thread
+(``megdiffusion.batch_threads``); every sample's (numpy) or fixed group's (oneDNN) arithmetic is the same
+whatever the chunking, so results are bit-identical on any core count. Outputs and gradients equal
+MegEngine's up to float32 rounding (tests: 1e-5 relative).
 
-Only modules in training mode take the fast path; in eval mode (sampling, the EMA model) the forward is
-MegEngine's own kernel, which sampled faster: a batch-16 denoising call of the CPU recipe's model took
-0.114 s against 0.159 s with numpy forwards (``benchmarks/sample.py``, one process each, quiet 2-core
-machine). The ``.numpy()`` calls here used to crash MegEngine's interpreter now and then
-(``insert_candidate: got wrong candidate index``; "an input tensor is unusable due to previous error"):
-a race inside MegEngine between ``Tensor.numpy()`` and its worker thread on the DTR candidate list, which
-``import megdiffusion`` keeps empty (``megdiffusion.compat.empty_dtr_candidates``).
+In training mode every supported convolution takes the fast path. In eval mode (sampling, the EMA model)
+only the oneDNN kernels do (a batch-16 denoising call of the CPU recipe's model: 0.11-0.13 CPU-seconds
+against 0.18 with MegEngine's forward); 1x1 and numpy-kernel convolutions keep MegEngine's forward, which
+sampled faster than numpy forwards (0.114 s against 0.159 s per call). The ``.numpy()`` calls here used to
+crash MegEngine's interpreter now and then (``insert_candidate: got wrong candidate index``; "an input tensor
+is unusable due to previous error"): a race inside MegEngine between ``Tensor.numpy()`` and its worker thread
+on the DTR candidate list, which ``import megdiffusion`` keeps empty
+(``megdiffusion.compat.empty_dtr_candidates``).
 
 The path is chosen per forward call: ``set_fast_conv(True/False/None)``; ``None`` (auto) means fast
 on CPU-only machines and MegEngine's native kernels when CUDA is available (cuDNN is fine).
-The environment variable ``MEGDIFFUSION_FAST_CONV=0/1`` sets the default at import.
+The environment variable ``MEGDIFFUSION_FAST_CONV=0/1`` sets the default at import
+(``MEGDIFFUSION_ONEDNN=0`` keeps the numpy kernels).
 Only float32 inputs with dilation 1, groups 1, zero padding and cross-correlation take the fast
 path, and never inside ``megengine.jit.trace``; everything else uses the native kernels.
 Parameters and checkpoints are those of ``megengine.module.Conv2d`` on both paths.
@@ -43,6 +48,7 @@ from megengine.jit.tracing import is_tracing
 
 from megdiffusion.batch_threads import for_batch_chunks
 from megdiffusion.compat import cuda_available
+from megdiffusion.nn import onednn
 
 ENV_VAR = "MEGDIFFUSION_FAST_CONV"
 # Upper bound on one im2col buffer (floats); a batch chunk holds fewer samples when needed.
@@ -168,18 +174,26 @@ def _input_grad(dy, weight, input_hw, stride, padding):
 
 
 class _FastConv2d(Function):
-    """conv2d computed in numpy, forward and backward; one instance per call."""
+    """conv2d on the fast path's kernels (oneDNN when ``on_onednn``, else numpy), forward and backward; one
+    instance per call."""
 
-    def __init__(self, stride, padding):
+    def __init__(self, stride, padding, on_onednn):
         super().__init__()
         self.stride = stride
         self.padding = padding
+        self.on_onednn = on_onednn
 
     def forward(self, x, weight, bias=None):
-        self.x, self.weight, self.has_bias = x.numpy(), weight.numpy(), bias is not None
-        y = _correlate(self.x, self.weight, self.stride, self.padding)
-        if bias is not None:
-            y += bias.numpy().reshape(1, -1, 1, 1)
+        self.x, self.weight, self.has_bias = np.ascontiguousarray(x.numpy()), weight.numpy(), bias is not None
+        bias_np = None if bias is None else bias.numpy().reshape(-1)
+        if self.on_onednn:
+            out_hw = _output_hw(self.x.shape[2:], self.weight.shape[2:], self.stride, self.padding)
+            y = onednn.conv2d_forward(self.x, self.weight, bias_np, self.stride, self.padding, out_hw,
+                                      for_batch_chunks)
+        else:
+            y = _correlate(self.x, self.weight, self.stride, self.padding)
+            if bias is not None:
+                y += bias_np.reshape(1, -1, 1, 1)
         return megengine.tensor(y, device=x.device)
 
     def backward(self, dy):
@@ -187,12 +201,16 @@ class _FastConv2d(Function):
             return (None, None, None) if self.has_bias else (None, None)
         x, weight, dy_np = self.x, self.weight, dy.numpy()
         device = dy.device
-        dx = _input_grad(dy_np, weight, x.shape[2:], self.stride, self.padding)
-        dw = _weight_grad(x, dy_np, weight.shape[2:], self.stride, self.padding)
+        if self.on_onednn:
+            dx, dw, db = onednn.conv2d_backward(x, weight, np.ascontiguousarray(dy_np), self.stride, self.padding,
+                                                self.has_bias, for_batch_chunks)
+        else:
+            dx = _input_grad(dy_np, weight, x.shape[2:], self.stride, self.padding)
+            dw = _weight_grad(x, dy_np, weight.shape[2:], self.stride, self.padding)
+            db = dy_np.sum(axis=(0, 2, 3), dtype=np.float64).astype(np.float32) if self.has_bias else None
         grads = [megengine.tensor(dx, device=device), megengine.tensor(dw, device=device)]
         if self.has_bias:
-            db = dy_np.sum(axis=(0, 2, 3), dtype=np.float64).astype(np.float32).reshape(1, -1, 1, 1)
-            grads.append(megengine.tensor(db, device=device))
+            grads.append(megengine.tensor(db.reshape(1, -1, 1, 1), device=device))
         self.x = self.weight = None
         return tuple(grads)
 
@@ -207,12 +225,13 @@ class Conv2d(M.Conv2d):
                 and self.compute_mode == "default")
 
     def forward(self, inp):
-        # jit.trace cannot record a Function computed in numpy: traced code uses native kernels.
-        # Eval mode (sampling) keeps MegEngine's forward: see the module docstring.
-        if (is_tracing() or not self.training
-                or not (fast_conv_enabled() and self._fast_path_supported(inp))):
+        # jit.trace cannot record a Function computed outside MegEngine: traced code uses native kernels.
+        if is_tracing() or not (fast_conv_enabled() and self._fast_path_supported(inp)):
             return self.calc_conv(inp, self.weight, self.bias)
-        function = _FastConv2d(tuple(self.stride), tuple(self.padding))
+        on_onednn = onednn.available() and tuple(self.kernel_size) != (1, 1)
+        if not (self.training or on_onednn):  # eval mode: see the module docstring
+            return self.calc_conv(inp, self.weight, self.bias)
+        function = _FastConv2d(tuple(self.stride), tuple(self.padding), on_onednn)
         if self.bias is None:
             return function(inp, self.weight)
         return function(inp, self.weight, self.bias)

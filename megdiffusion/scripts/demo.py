@@ -1,5 +1,6 @@
 """The demo: train the CPU recipe on the embedded Fashion-MNIST for a time budget, sample with the EMA
-model, save sample and real grids, and score FID against the embedded data.
+model, save sample and real grids, and score FID against the embedded data, beside the real-data floor of the
+same protocol (the FID of the split's last --num_images real images against the same reference) and a verdict.
 
     python -m megdiffusion.scripts.demo [--minutes 10] [--output runs/demo] [--resume]
 
@@ -26,7 +27,8 @@ flags.DEFINE_float("minutes", 10.0, "Training time budget in minutes (this run).
 flags.DEFINE_string("output", "runs/demo", "Output directory; nothing is written outside it.")
 flags.DEFINE_bool("resume", False, "Continue the previous demo's training instead of starting clean.")
 flags.DEFINE_string("config", None, "Training flagfile (default: the package's fashion_mnist_cpu.cfg).")
-flags.DEFINE_integer("num_images", 500, "EMA samples for FID (the real-vs-real floor depends on this count).")
+flags.DEFINE_integer("num_images", 500, "EMA samples for FID; the real-data floor takes as many real images, "
+                     "the last of the split.")
 flags.DEFINE_integer("num_reference", 1000, "Embedded images (the first N) whose statistics are the FID "
                      "reference; computed once and kept in --output.")
 flags.DEFINE_enum("sampler", "ddim", SAMPLERS, "Sampler for the grid and FID samples.")
@@ -35,6 +37,14 @@ flags.DEFINE_integer("batch_size", 100, "Sampling and Inception batch size.")
 
 MARKER = "demo.json"
 KEPT_ON_RESTART = ("cache", "reference")
+CLOSE_TO_FLOOR = 1.5  # an FID within this factor of the real-data floor: "close to the data" (issue 18's goal)
+
+
+def verdict(fid, floor):
+    """One line on what an FID means beside the real-data ``floor`` of its protocol."""
+    if fid <= CLOSE_TO_FLOOR * floor:
+        return "samples close to the data"
+    return "still far from the data; train longer with --resume"
 
 
 def prepare_output(output, resume):
@@ -50,7 +60,9 @@ def prepare_output(output, resume):
 def demo(output, minutes, resume, config_path, num_images, num_reference, sampler, steps, batch_size):
     """Check everything, then (``output`` locked) train, sample, draw grids and score; returns the summary dict
     (also written to summary.json)."""
+    from megdiffusion.cli import UsageError
     from megdiffusion.evaluate import model_fid, reference_statistics
+    from megdiffusion.metrics.fid import frechet_distance
     from megdiffusion.images import make_grid, save_png
     from megdiffusion.sampling import check_sampler, load_model
     from megdiffusion.training.checkpoint import load_latest
@@ -62,6 +74,9 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
     # The recipe's --total_steps stays the cap (and the progress bar's total); the time budget ends the run.
     cfg, images = config_from_flagfile(config_path, logdir=logdir, resume=latest is not None,
                                        time_limit_minutes=minutes)
+    if num_images + num_reference > len(images):
+        raise UsageError(f"--num_images {num_images} + --num_reference {num_reference} is more than the "
+                         f"{len(images)} training images: the floor's real images must be apart from the reference")
     check_sampler(build_diffusion(cfg), sampler, steps)  # before training, not after 10 minutes of it
     start_step = latest[0]["step"] if latest else 0
     with output_directory(output, "--output", MARKER):
@@ -71,8 +86,11 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
         train_seconds = time.monotonic() - started
 
         model, diffusion, _, _ = load_model(logdir, ema=True)
-        cache = os.path.join(output, "reference", f"fashion_mnist_first{num_reference}.npz")
-        reference = reference_statistics(images[:num_reference], cache, batch_size, progress=True)
+        cache = os.path.join(output, "reference", "fashion_mnist_{}{}.npz")
+        reference = reference_statistics(images[:num_reference], cache.format("first", num_reference), batch_size,
+                                         progress=True)
+        real = reference_statistics(images[-num_images:], cache.format("last", num_images), batch_size, progress=True)
+        floor = float(frechet_distance(*real, *reference))
         fid, samples = model_fid(model, diffusion, cfg.image_shape, reference, num_images, cfg.seed, sampler, steps,
                                  batch_size=batch_size, progress=True)
         save_png(os.path.join(output, "samples.png"), make_grid(samples[:64], nrow=8))
@@ -82,7 +100,8 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
                    "train_minutes": round(train_seconds / 60, 2),
                    "train_images_per_s": round((step - start_step) * cfg.batch_size / train_seconds, 1),
                    "fid": round(float(fid), 2), "fid_num_images": num_images,
-                   "fid_reference": f"the first {min(num_reference, len(images))} embedded Fashion-MNIST images",
+                   "fid_floor": round(floor, 2), "verdict": verdict(float(fid), floor),
+                   "fid_reference": f"the first {num_reference} embedded Fashion-MNIST images",
                    "sampler": f"{sampler}-{steps}", "samples_grid": os.path.join(output, "samples.png"),
                    "real_grid": os.path.join(output, "real.png")}
         write_text(os.path.join(output, "summary.json"), json.dumps(summary, indent=2) + "\n")
@@ -103,8 +122,9 @@ def main(argv):
                  FLAGS.num_images, FLAGS.num_reference, FLAGS.sampler, FLAGS.steps, FLAGS.batch_size)
     print(f"\ndemo: {s['steps']} training steps ({s['steps_this_run']} in this run, {s['train_minutes']} min, "
           f"{s['train_images_per_s']} images/s)\n"
-          f"demo: FID {s['fid']:.2f} from {s['fid_num_images']} EMA samples ({s['sampler']}) vs "
-          f"{s['fid_reference']}\n"
+          f"demo: FID {s['fid']:.2f} (real-data floor {s['fid_floor']:.1f} in this protocol): {s['verdict']}\n"
+          f"demo: the protocol: {s['fid_num_images']} EMA samples ({s['sampler']}) vs {s['fid_reference']}; the "
+          f"floor scores the split's last {s['fid_num_images']} real images the same way\n"
           f"demo: samples {s['samples_grid']}  real images {s['real_grid']}  summary "
           f"{os.path.join(FLAGS.output, 'summary.json')}")
 

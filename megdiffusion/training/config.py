@@ -94,6 +94,8 @@ class TrainConfig:
     total_steps: int = _flag(800000, "Number of optimizer steps.", min=1)
     grad_clip: float = _flag(1.0, "Clip the global gradient norm to this value; 0 disables.", min=0)
     ema_decay: float = _flag(0.9999, "Decay of the exponential moving average of the weights.", min=0, below=1)
+    ema_warmup: bool = _flag(False, "Warm the EMA up: update n (from 0) decays by min(--ema_decay, "
+                             "(1 + n) / (10 + n)), so the early average is not mostly the random initial weights.")
     seed: int = _flag(0, "Seed of every random choice (data order, flips, timesteps, noise, dropout).", min=0)
     # Outputs
     logdir: str = _flag("runs/train", "Directory for checkpoints, metrics, sample grids and flags.")

@@ -17,9 +17,11 @@ from megdiffusion.data.loader import BatchLoader
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import output_directory
 from megdiffusion.images import save_png
+from megdiffusion.nn.conv import fast_conv_enabled
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
 from megdiffusion.training.config import TrainConfig, build_diffusion, build_model
+from megdiffusion.training.flat_update import FlatUpdate
 from megdiffusion.training.outputs import RUN_MARKER, RunLogger, grid_path, sample_grid, write_run_files
 
 mge = quiet_megengine()
@@ -40,31 +42,71 @@ def warmup_lr(cfg, step):
     return cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps)
 
 
+def ema_decay_at(cfg, updates):
+    """EMA decay of the update that follows ``updates`` earlier ones: ``ema_decay``, capped by (1 + n) / (10 + n)
+    with ``ema_warmup``."""
+    if cfg.ema_warmup:
+        return min(cfg.ema_decay, (1 + updates) / (10 + updates))
+    return cfg.ema_decay
+
+
 def step_rng(seed, rank, step):
     """The numpy generator of one rank's step: timesteps, noise and the dropout seed come from it."""
     return np.random.default_rng([seed, rank, step])
 
 
 class Trainer:
-    """Model, EMA copy, diffusion, Adam and the step count; ``step(x0)`` does one optimizer update."""
+    """Model, EMA copy, diffusion, Adam and the step count; ``step(x0)`` does one optimizer update.
+
+    On the fast CPU path (``megdiffusion.nn.conv.fast_conv_enabled()``) clipping, Adam and the EMA run in
+    numpy on flat buffers (``flat_update.FlatUpdate``) that hold the EMA weights and Adam's state between
+    steps. Reading ``model``, ``ema`` or ``optimizer`` writes that state back into these MegEngine objects
+    first, which then hold it (they may be read or changed, e.g. by ``checkpoint.restore``) until the next
+    fast step takes it from them again: read them afresh after each step rather than keep a reference.
+    """
 
     def __init__(self, config: TrainConfig, world_size=1, rank=0):
         self.cfg = config
         self.world_size = world_size
         self.rank = rank
         mge.random.seed(config.seed)  # identical initial weights for a given seed
-        self.model = build_model(config)
+        self._model = build_model(config)
         if world_size > 1:
-            distributed.broadcast_from_rank0(self.model)
-        self.ema = build_model(config)
-        self.ema.load_state_dict(self.model.state_dict())
-        self.ema.eval()
+            distributed.broadcast_from_rank0(self._model)
+        self._ema = build_model(config)
+        self._ema.load_state_dict(self._model.state_dict())
+        self._ema.eval()
         self.diffusion = build_diffusion(config)
-        self.params = list(self.model.parameters())
+        self.params = list(self._model.parameters())
         self.grad_manager = GradManager().attach(
             self.params, callbacks=distributed.allreduce_mean_callbacks(world_size))
-        self.optimizer = Adam(self.params, lr=config.lr)
+        self._optimizer = Adam(self.params, lr=config.lr)
+        self._flat = None  # the FlatUpdate holding the EMA and Adam's state, between fast steps
         self.step_count = 0
+
+    @property
+    def model(self):
+        """The network being trained (a ``UNet``)."""
+        self._release()
+        return self._model
+
+    @property
+    def ema(self):
+        """The moving average of the network's weights (a ``UNet`` in eval mode)."""
+        self._release()
+        return self._ema
+
+    @property
+    def optimizer(self):
+        """MegEngine's ``Adam`` over ``params``."""
+        self._release()
+        return self._optimizer
+
+    def _release(self):
+        """Hand the fast path's flat state back to the MegEngine objects."""
+        if self._flat is not None:
+            self._flat.release()
+            self._flat = None
 
     def step(self, x0):
         """One update on this rank's batch ``x0`` (float32 NCHW in [-1, 1]): {"loss", "grad_norm", "lr"}.
@@ -78,32 +120,44 @@ class Trainer:
         noise = rng.standard_normal(x0.shape, dtype=np.float32)
         mge.random.seed(int(rng.integers(2 ** 31)))
         lr = warmup_lr(cfg, self.step_count)
-        for group in self.optimizer.param_groups:
+        for group in self._optimizer.param_groups:
             group["lr"] = lr
-        self.model.train()
+        self._model.train()
         with self.grad_manager:
-            loss = self.diffusion.training_losses(self.model, mge.tensor(x0), mge.tensor(t),
+            loss = self.diffusion.training_losses(self._model, mge.tensor(x0), mge.tensor(t),
                                                   mge.tensor(noise))["loss"].mean()
             self.grad_manager.backward(loss)
         # With clipping off, an infinite bound leaves the gradients untouched (scale min(inf, 1) = 1).
-        grad_norm = float(clip_grad_norm(self.params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
-        loss = loss.item()
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        flat = fast_conv_enabled() and all(p.grad is not None for p in self.params)
+        if flat:
+            if self._flat is None:
+                self._flat = FlatUpdate(self.params, list(self._ema.parameters()), self._optimizer)
+            grad_norm = self._flat.gradient_norm()
+        else:
+            self._release()
+            grad_norm = clip_grad_norm(self.params, max_norm)
+        grad_norm, loss = float(grad_norm), loss.item()
         if not (np.isfinite(loss) and np.isfinite(grad_norm)):
-            self.optimizer.clear_grad()
+            self._optimizer.clear_grad()
             raise NonFiniteLossError(f"non-finite loss {loss} (gradient norm {grad_norm}) at step "
                                      f"{self.step_count}; the model was not updated. Try a lower --lr or "
                                      "--grad_clip, and resume from the last checkpoint")
-        self.optimizer.step().clear_grad()
-        self._update_ema()
+        ema_decay = ema_decay_at(cfg, self.step_count)
+        if flat:
+            self._flat.step(grad_norm, lr, max_norm, ema_decay)
+        else:
+            self._optimizer.step()
+            self._update_ema(ema_decay)
+        self._optimizer.clear_grad()
+        for ema_buffer, buffer in zip(self._ema.buffers(), self._model.buffers()):
+            assign_(ema_buffer, buffer)
         self.step_count += 1
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr}
 
-    def _update_ema(self):
-        decay = self.cfg.ema_decay
-        for ema_param, param in zip(self.ema.parameters(), self.model.parameters()):
+    def _update_ema(self, decay):
+        for ema_param, param in zip(self._ema.parameters(), self._model.parameters()):
             assign_(ema_param, ema_param * decay + param * (1.0 - decay))
-        for ema_buffer, buffer in zip(self.ema.buffers(), self.model.buffers()):
-            assign_(ema_buffer, buffer)
 
 
 def check_logdir(cfg):
