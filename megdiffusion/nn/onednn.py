@@ -318,11 +318,6 @@ def conv2d_backward(x, weight, dy, stride, padding, bias, run_groups):
             plan.dw_out(dw_blocked, out=dws[index])
 
     run_groups(len(groups), work)
-    return dx, _sum_in_order(dws), _sum_in_order(dbs) if bias else None
+    # A sum over the leading axis adds the rows one after the other, as nn.conv sums per-sample products.
+    return dx, dws.sum(axis=0), dbs.sum(axis=0) if bias else None
 
-
-def _sum_in_order(parts):
-    total = parts[0].copy()
-    for part in parts[1:]:
-        total += part
-    return total
