@@ -34,7 +34,8 @@ import measurement
 MODEL_FIELDS = ("image_channels", "image_size", "model_channels", "channel_mult", "num_res_blocks",
                 "attention_resolutions", "dropout", "norm_groups", "norm_eps", "downsample_padding",
                 "time_embedding")
-STEP_FIELDS = ("num_timesteps", "mean_type", "var_type", "lr", "warmup_steps", "grad_clip", "ema_decay", "seed")
+STEP_FIELDS = ("num_timesteps", "mean_type", "var_type", "lr", "warmup_steps", "grad_clip", "ema_decay", "ema_warmup",
+               "seed")
 # Fields that change neither the network nor one step on a given batch (data, outputs, run length, devices),
 # and beta_schedule: the betas come with the config.
 IGNORED_FIELDS = ("beta_schedule", "batch_size", "dataset", "data_path", "random_flip", "total_steps", "logdir",
@@ -46,12 +47,14 @@ SUPPORTED = {"mean_type": ("eps",), "var_type": ("fixedlarge", "fixedsmall"),
              "downsample_padding": ("bottom_right", "symmetric"), "time_embedding": ("ho", "pytorch_ddpm")}
 
 
-# How far the twin may be from megdiffusion with the same weights: relative errors of the outputs; absolute
-# errors of the weights (and EMA) after the steps. Adam moves a weight by lr * m / (sqrt(v) + 1e-8): where a
+# How far the twin may be from megdiffusion with the same weights: relative errors of the outputs; errors of the
+# weights (and EMA) after the steps as fractions of the summed lr, since Adam moves a weight by about lr per step
+# whatever the gradient's scale, and rounding errors of the gradients move its direction (measured: 3.7e-4 on the
+# CPU recipe, 5.7e-4 on the CIFAR-shaped model). Adam moves a weight by lr * m / (sqrt(v) + 1e-8): where a
 # gradient is below 100 * eps at either step (attention's key biases, whose gradient softmax cancels, and a
 # few entries per tensor), float32 rounding decides that move, so those entries only get Adam's bound of
 # about lr per step on each side (2.01 * the summed lr).
-TOLERANCES = {"forward": 2e-5, "loss": 1e-5, "grad_norm": 1e-4, "ddim": 1e-4, "weights": 1e-6,
+TOLERANCES = {"forward": 2e-5, "loss": 1e-5, "grad_norm": 1e-4, "ddim": 1e-4, "weights": 1e-3,
               "adam_sensitive_gradient": 1e-6, "sensitive_weights": 2.01}
 
 
@@ -304,6 +307,12 @@ class TwinTrainer:
         warmup = self.cfg["warmup_steps"]
         return self.cfg["lr"] * (min(1.0, (self.step_count + 1) / warmup) if warmup else 1.0)
 
+    def ema_decay(self):
+        decay = self.cfg["ema_decay"]
+        if self.cfg["ema_warmup"]:
+            decay = min(decay, (1 + self.step_count) / (10 + self.step_count))
+        return decay
+
     def step(self, x0):
         """One update on ``x0`` (float32 NCHW numpy): {"loss", "grad_norm", "lr"}."""
         cfg, schedule = self.cfg, self.schedule
@@ -324,9 +333,10 @@ class TwinTrainer:
         grad_norm = float(nn.utils.clip_grad_norm_(self.params, clip))
         loss = loss.item()
         self.optimizer.step()
+        decay = self.ema_decay()
         with torch.no_grad():
             for ema_param, param in zip(self.ema.parameters(), self.params):
-                ema_param.mul_(cfg["ema_decay"]).add_(param, alpha=1.0 - cfg["ema_decay"])
+                ema_param.mul_(decay).add_(param, alpha=1.0 - decay)
         self.step_count += 1
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr}
 
@@ -400,8 +410,8 @@ def check_outputs(work_dir, name, entry, tolerances=TOLERANCES):
             err = np.abs(p.detach().numpy() - ref[f"{saved}.{n}"].reshape(p.shape))
             for key, mask in ((what, ~sensitive[n]), (f"sensitive_{what}", sensitive[n])):
                 errors[key] = max(errors.get(key, 0.0), float(err[mask].max(initial=0.0)))
-    limits = {key: tolerances[key] for key in ("forward", "loss", "grad_norm", "ddim", "weights")}
-    limits.update(ema=tolerances["weights"], sensitive_weights=tolerances["sensitive_weights"] * lr_sum,
+    limits = {key: tolerances[key] for key in ("forward", "loss", "grad_norm", "ddim")}
+    limits.update(weights=tolerances["weights"] * lr_sum, ema=tolerances["weights"] * lr_sum, sensitive_weights=tolerances["sensitive_weights"] * lr_sum,
                   sensitive_ema=tolerances["sensitive_weights"] * lr_sum)
     line = {"check": "same_weights", "config": name, **{f"{key}_max_err": errors[key] for key in limits},
             "ddim_steps": entry["ddim_steps"], "lr_sum": lr_sum,
