@@ -411,7 +411,8 @@ def check_outputs(work_dir, name, entry, tolerances=TOLERANCES):
             for key, mask in ((what, ~sensitive[n]), (f"sensitive_{what}", sensitive[n])):
                 errors[key] = max(errors.get(key, 0.0), float(err[mask].max(initial=0.0)))
     limits = {key: tolerances[key] for key in ("forward", "loss", "grad_norm", "ddim")}
-    limits.update(weights=tolerances["weights"] * lr_sum, ema=tolerances["weights"] * lr_sum, sensitive_weights=tolerances["sensitive_weights"] * lr_sum,
+    limits.update(weights=tolerances["weights"] * lr_sum, ema=tolerances["weights"] * lr_sum,
+                  sensitive_weights=tolerances["sensitive_weights"] * lr_sum,
                   sensitive_ema=tolerances["sensitive_weights"] * lr_sum)
     line = {"check": "same_weights", "config": name, **{f"{key}_max_err": errors[key] for key in limits},
             "ddim_steps": entry["ddim_steps"], "lr_sum": lr_sum,
