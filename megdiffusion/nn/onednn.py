@@ -78,15 +78,22 @@ def _load():
     """(library, libgomp's omp_set_num_threads, engine, attr) or None when oneDNN cannot be used here."""
     if os.environ.get("MEGDIFFUSION_ONEDNN", "1").strip() == "0":
         return None
+    path = os.path.join(sys.prefix, "lib", "libdnnl.so.3")
     try:
-        lib = ctypes.CDLL(os.path.join(sys.prefix, "lib", "libdnnl.so.3"))
+        # Calls through PyDLL keep the GIL: oneDNN's bookkeeping calls take about a microsecond, and releasing
+        # and re-taking the GIL around each of them made the batch threads hand it to each other ~20 times per
+        # group. Only executing a primitive (the long call) goes through CDLL, which releases it.
+        lib, releasing = ctypes.PyDLL(path), ctypes.CDLL(path)
         set_threads = ctypes.CDLL("libgomp.so.1").omp_set_num_threads
     except OSError:
         return None
     for name, argtypes in _SIGNATURES.items():
-        function = getattr(lib, name)
-        function.argtypes = argtypes
-        function.restype = _RETURNS.get(name, ctypes.c_int)
+        for library in (lib, releasing):
+            function = getattr(library, name)
+            function.argtypes = argtypes
+            function.restype = _RETURNS.get(name, ctypes.c_int)
+    global _execute
+    _execute = releasing.dnnl_primitive_execute
     set_threads(1)  # primitives created on this thread are planned for one thread
     engine, attr = _ptr(), _ptr()
     if (lib.dnnl_engine_create(ctypes.byref(engine), 1, 0) or lib.dnnl_primitive_attr_create(ctypes.byref(attr))
@@ -95,6 +102,7 @@ def _load():
     return lib, set_threads, engine, attr
 
 
+_execute = None  # dnnl_primitive_execute through CDLL (releases the GIL); set by _load
 _state = _load()
 _threads = threading.local()
 
@@ -104,8 +112,8 @@ def available():
     return _state is not None
 
 
-def _call(name, *args):
-    status = getattr(_state[0], name)(*args)
+def _call(name, *args, function=None):
+    status = (function or getattr(_state[0], name))(*args)
     if status != 0:
         raise OneDNNError(f"oneDNN's {name} failed with status {status}; MEGDIFFUSION_ONEDNN=0 runs the numpy "
                           "kernels instead")
@@ -161,7 +169,7 @@ class _Primitive:
                 memories.append(memory)
             exec_args = (_ExecArg * len(args))(*[_ExecArg(arg, memory) for arg, memory in zip(args, memories)])
             stream = _stream()
-            _call("dnnl_primitive_execute", self.primitive, stream, len(args), exec_args)
+            _call("dnnl_primitive_execute", self.primitive, stream, len(args), exec_args, function=_execute)
             _call("dnnl_stream_wait", stream)
         finally:
             for memory in memories:
