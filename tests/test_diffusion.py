@@ -181,6 +181,30 @@ def test_training_loss_is_per_sample_mse():
     np.testing.assert_allclose(loss.numpy(), (noise ** 2).reshape(3, -1).mean(axis=1), rtol=1e-5)
 
 
+@pytest.mark.parametrize("mean_type", ["eps", "xstart"])
+def test_min_snr_weighting(mean_type):
+    """Min-SNR-5: the loss of timestep t is the mse times min(SNR_t, 5) / SNR_t (eps) or min(SNR_t, 5) (xstart),
+    SNR_t = alpha_bar_t / (1 - alpha_bar_t) from an independent product; gamma 0 leaves Ho's mse."""
+    betas = make_beta_schedule("linear", 1000)
+    snr = alpha_bar(betas) / (1.0 - alpha_bar(betas))
+    rng = np.random.default_rng(3)
+    x0, noise = rng.uniform(-1, 1, (4, 1, 3, 3)), rng.standard_normal((4, 1, 3, 3))
+    ts = np.array([0, 150, 400, 999])  # SNR above and below 5
+    assert snr[ts[0]] > 5 > snr[ts[-1]]
+    plain = GaussianDiffusion(betas, mean_type=mean_type).training_losses(
+        lambda x, t: x * 0, tensor(x0), ts, tensor(noise))
+    weighted = GaussianDiffusion(betas, mean_type=mean_type, min_snr_gamma=5.0).training_losses(
+        lambda x, t: x * 0, tensor(x0), ts, tensor(noise))
+    target = noise if mean_type == "eps" else x0
+    mse = (target ** 2).reshape(4, -1).mean(axis=1)
+    weight = np.minimum(snr[ts], 5.0) / (snr[ts] if mean_type == "eps" else 1.0)
+    np.testing.assert_allclose(plain["loss"].numpy(), mse, rtol=1e-5)
+    np.testing.assert_allclose(weighted["mse"].numpy(), mse, rtol=1e-5)
+    np.testing.assert_allclose(weighted["loss"].numpy(), mse * weight, rtol=1e-5)
+    with pytest.raises(ValueError, match="min_snr_gamma"):
+        GaussianDiffusion(betas, mean_type="xprev", min_snr_gamma=5.0)
+
+
 def test_training_loss_draws_timesteps_in_range():
     d = GaussianDiffusion(make_beta_schedule("linear", 100))
     seen = []

@@ -36,6 +36,7 @@ _PER_SAMPLE = (
     "posterior_log_variance_clipped",
     "posterior_mean_coef1",
     "posterior_mean_coef2",
+    "mse_weight",
 )
 _LN2 = math.log(2.0)
 
@@ -60,12 +61,16 @@ class GaussianDiffusion:
         variance (clipped), frac = (v + 1) / 2, v unclamped) or "learned" (v is the log variance).
     :param loss_type: "mse" or "hybrid" (``choices.LOSS_TYPES``); "hybrid" needs a learned variance.
     :param rescale_timesteps: the model receives t * 1000 / original T (a float) instead of t.
+    :param min_snr_gamma: 0 for Ho's L_simple; above 0, the mse of timestep t weighted by min(SNR_t, gamma) / SNR_t
+        for eps prediction and min(SNR_t, gamma) for x_0 prediction (Hang et al. 2023, "Min-SNR"; SNR_t =
+        alpha_bar_t / (1 - alpha_bar_t)): the low-noise steps, whose loss is easy and large in number, no longer
+        dominate the gradient.
     :param timestep_map: the original timestep of each index (default: the identity); ``respace`` sets it.
     :param original_num_steps: T of the original chain (default: len(betas)).
     """
 
     def __init__(self, betas, mean_type="eps", var_type="fixedlarge", loss_type="mse", rescale_timesteps=False,
-                 timestep_map=None, original_num_steps=None):
+                 timestep_map=None, original_num_steps=None, min_snr_gamma=0.0):
         betas = np.asarray(betas, dtype=np.float64)
         if betas.ndim != 1 or len(betas) < 1:
             raise ValueError(f"betas must be a non-empty 1-D array, got shape {betas.shape}")
@@ -77,7 +82,11 @@ class GaussianDiffusion:
         if loss_type == "hybrid" and var_type not in LEARNED_VAR_TYPES:
             raise ValueError(f"loss_type 'hybrid' weights the vb term that trains a learned variance; var_type "
                              f"{var_type!r} learns none (use {' or '.join(LEARNED_VAR_TYPES)}, or loss_type 'mse')")
+        if min_snr_gamma < 0 or (min_snr_gamma > 0 and mean_type == "xprev"):
+            raise ValueError(f"min_snr_gamma must be 0 (off) or positive with mean_type eps or xstart; got "
+                             f"{min_snr_gamma} with mean_type {mean_type!r}")
         self.mean_type, self.var_type, self.loss_type = mean_type, var_type, loss_type
+        self.min_snr_gamma = float(min_snr_gamma)
         self.rescale_timesteps = bool(rescale_timesteps)
         self.num_timesteps = len(betas)
         self.timestep_map = np.arange(len(betas)) if timestep_map is None else np.asarray(timestep_map, np.int64)
@@ -115,6 +124,9 @@ class GaussianDiffusion:
         else:
             self.model_log_variance = None  # the model's output says
 
+        snr = self.alphas_cumprod / (1.0 - self.alphas_cumprod)
+        clipped = np.minimum(snr, self.min_snr_gamma)
+        self.mse_weight = clipped / snr if mean_type == "eps" else clipped  # read only with min_snr_gamma > 0
         names = _PER_SAMPLE + (("model_log_variance",) if self.model_log_variance is not None else ())
         self._tensors = {name: Tensor(getattr(self, name).astype(np.float32)) for name in names}
         model_t = self.timestep_map * (1000.0 / self.original_num_steps) if self.rescale_timesteps else None
@@ -247,12 +259,14 @@ class GaussianDiffusion:
             target = self._posterior_mean(x0, x_t, t)
         terms = {"mse": mean_flat((prediction - target) ** 2)}
         terms["loss"] = terms["mse"]
+        if self.min_snr_gamma > 0:
+            terms["loss"] = terms["mse"] * self._extract("mse_weight", t, 1)
         if values is not None:
             frozen = F.concat([prediction.detach(), values], axis=1)
             terms["vb"] = self.vb_terms_bpd(frozen, x0, x_t, t, clip_denoised=False)["output"]
             if self.loss_type == "hybrid":
                 terms["vb"] = terms["vb"] * (self.num_timesteps / 1000.0)
-            terms["loss"] = terms["mse"] + terms["vb"]
+            terms["loss"] = terms["loss"] + terms["vb"]
         return terms
 
     # --- the variational bound, in bits per dimension
@@ -350,7 +364,7 @@ class GaussianDiffusion:
         alphas_cumprod = self.alphas_cumprod[timesteps]
         betas = 1.0 - alphas_cumprod / np.append(1.0, alphas_cumprod[:-1])
         return GaussianDiffusion(betas, self.mean_type, self.var_type, self.loss_type, self.rescale_timesteps,
-                                 self.timestep_map[timesteps], self.original_num_steps)
+                                 self.timestep_map[timesteps], self.original_num_steps, self.min_snr_gamma)
 
     def respaced(self, steps=None, respacing=None):
         """This chain respaced to the timesteps ``spacing.sampling_timesteps`` keeps (itself when all are kept)."""

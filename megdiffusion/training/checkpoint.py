@@ -38,7 +38,8 @@ NETWORK_FIELDS = ("image_size", "image_channels", "model_channels", "channel_mul
                   "attention_resolutions", "norm_groups", "norm_eps", "downsample_padding", "time_embedding",
                   "use_scale_shift_norm", "num_heads", "num_head_channels", "rescale_timesteps")
 # Config fields a resumed run must share with its checkpoint (the network and the maths).
-RECIPE_FIELDS = NETWORK_FIELDS + ("num_timesteps", "beta_schedule", "mean_type", "var_type", "loss_type")
+RECIPE_FIELDS = NETWORK_FIELDS + ("num_timesteps", "beta_schedule", "mean_type", "var_type", "loss_type",
+                                  "min_snr_gamma")
 RNG_SCHEME = "numpy default_rng([seed, rank, step])"  # trainer.step_rng
 _NAME = re.compile(r"^ckpt_(\d+)\.pkl$")
 

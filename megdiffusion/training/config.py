@@ -85,6 +85,9 @@ class TrainConfig:
     loss_type: str = _flag("mse", "mse: L_simple (for a learned variance plus the unweighted vb term); hybrid: "
                            "L_simple + vb * T / 1000 (L_simple + 0.001 L_vlb; needs a learned --var_type).",
                            choices=LOSS_TYPES)
+    min_snr_gamma: float = _flag(0.0, "0: Ho's L_simple; above 0, Min-SNR-gamma weighting of each timestep's mse "
+                                 "(min(SNR_t, gamma) / SNR_t for eps prediction, min(SNR_t, gamma) for xstart; "
+                                 "Hang et al. 2023 use 5).", min=0)
     rescale_timesteps: bool = _flag(False, "The network sees t * 1000 / T (fractional) instead of t, as "
                                     "improved-diffusion's models do.")
     # Optimisation
@@ -278,7 +281,7 @@ def build_diffusion(cfg):
 
     betas = make_beta_schedule(cfg.beta_schedule, cfg.num_timesteps)
     return GaussianDiffusion(betas, mean_type=cfg.mean_type, var_type=cfg.var_type, loss_type=cfg.loss_type,
-                             rescale_timesteps=cfg.rescale_timesteps)
+                             rescale_timesteps=cfg.rescale_timesteps, min_snr_gamma=cfg.min_snr_gamma)
 
 
 def define_flags(flag_values):
