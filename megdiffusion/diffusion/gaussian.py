@@ -124,9 +124,11 @@ class GaussianDiffusion:
         else:
             self.model_log_variance = None  # the model's output says
 
+        # The weight of each timestep's mse in the loss: 1 (L_simple), or Min-SNR's.
         snr = self.alphas_cumprod / (1.0 - self.alphas_cumprod)
         clipped = np.minimum(snr, self.min_snr_gamma)
-        self.mse_weight = clipped / snr if mean_type == "eps" else clipped  # read only with min_snr_gamma > 0
+        self.mse_weight = (np.ones_like(snr) if self.min_snr_gamma == 0
+                           else clipped / snr if mean_type == "eps" else clipped)
         names = _PER_SAMPLE + (("model_log_variance",) if self.model_log_variance is not None else ())
         self._tensors = {name: Tensor(getattr(self, name).astype(np.float32)) for name in names}
         model_t = self.timestep_map * (1000.0 / self.original_num_steps) if self.rescale_timesteps else None
@@ -259,7 +261,7 @@ class GaussianDiffusion:
             target = self._posterior_mean(x0, x_t, t)
         terms = {"mse": mean_flat((prediction - target) ** 2)}
         terms["loss"] = terms["mse"]
-        if self.min_snr_gamma > 0:
+        if self.min_snr_gamma > 0:  # weights of 1 otherwise: no multiplication on the training path
             terms["loss"] = terms["mse"] * self._extract("mse_weight", t, 1)
         if values is not None:
             frozen = F.concat([prediction.detach(), values], axis=1)

@@ -75,7 +75,8 @@ class OneDNNError(MegdiffusionError):
 
 
 def _load():
-    """(library, libgomp's omp_set_num_threads, engine, attr) or None when oneDNN cannot be used here."""
+    """(library, libgomp's omp_set_num_threads, engine, attr, dnnl_primitive_execute through CDLL) or None when
+    oneDNN cannot be used here."""
     if os.environ.get("MEGDIFFUSION_ONEDNN", "1").strip() == "0":
         return None
     path = os.path.join(sys.prefix, "lib", "libdnnl.so.3")
@@ -92,17 +93,14 @@ def _load():
             function = getattr(library, name)
             function.argtypes = argtypes
             function.restype = _RETURNS.get(name, ctypes.c_int)
-    global _execute
-    _execute = releasing.dnnl_primitive_execute
     set_threads(1)  # primitives created on this thread are planned for one thread
     engine, attr = _ptr(), _ptr()
     if (lib.dnnl_engine_create(ctypes.byref(engine), 1, 0) or lib.dnnl_primitive_attr_create(ctypes.byref(attr))
             or lib.dnnl_primitive_attr_set_scratchpad_mode(attr, _SCRATCHPAD_MODE_USER)):
         return None
-    return lib, set_threads, engine, attr
+    return lib, set_threads, engine, attr, releasing.dnnl_primitive_execute
 
 
-_execute = None  # dnnl_primitive_execute through CDLL (releases the GIL); set by _load
 _state = _load()
 _threads = threading.local()
 
@@ -169,7 +167,7 @@ class _Primitive:
                 memories.append(memory)
             exec_args = (_ExecArg * len(args))(*[_ExecArg(arg, memory) for arg, memory in zip(args, memories)])
             stream = _stream()
-            _call("dnnl_primitive_execute", self.primitive, stream, len(args), exec_args, function=_execute)
+            _call("dnnl_primitive_execute", self.primitive, stream, len(args), exec_args, function=_state[4])
             _call("dnnl_stream_wait", stream)
         finally:
             for memory in memories:
