@@ -29,6 +29,7 @@ def test_demo_trains_samples_scores_and_resumes(tmp_path):
     assert summary["steps"] >= 1 and summary["steps_this_run"] == summary["steps"]
     assert np.isfinite(summary["fid"]) and summary["fid"] > 0 and summary["fid_num_images"] == 4
     assert 0 < summary["fid_floor"] < summary["fid"]  # 4 real images are closer to the data than 4 barely trained
+    assert summary["sampler"] == "ddpm-2"  # the recipe's --sample_sampler unless --sampler says otherwise
     assert summary["verdict"] == "still far from the data; train longer with --resume"
     assert (f"FID {summary['fid']:.2f} (real-data floor {summary['fid_floor']:.1f} in this protocol): still far from "
             "the data; train longer with --resume") in first.stdout
@@ -44,10 +45,10 @@ def test_demo_trains_samples_scores_and_resumes(tmp_path):
     after = json.loads((output / "summary.json").read_text())
     assert after["steps"] == summary["steps"] + after["steps_this_run"] > summary["steps"]
 
-    restarted = run_demo(output, home)
+    restarted = run_demo(output, home, "--sampler=ddim")
     assert restarted.returncode == 0, restarted.stderr
     again = json.loads((output / "summary.json").read_text())
-    assert again["steps_this_run"] == again["steps"]
+    assert again["steps_this_run"] == again["steps"] and again["sampler"] == "ddim-2"
 
 
 def test_demo_refuses_a_directory_it_did_not_make(tmp_path):

@@ -31,7 +31,8 @@ flags.DEFINE_integer("num_images", 500, "EMA samples for FID; the real-data floo
                      "the last of the split.")
 flags.DEFINE_integer("num_reference", 1000, "Embedded images (the first N) whose statistics are the FID "
                      "reference; computed once and kept in --output.")
-flags.DEFINE_enum("sampler", "ddim", SAMPLERS, "Sampler for the grid and FID samples.")
+flags.DEFINE_enum("sampler", None, SAMPLERS, "Sampler for the grid and FID samples (default: the recipe's "
+                  "--sample_sampler).")
 flags.DEFINE_integer("steps", 50, "Sampling steps for the grid and FID samples.")
 flags.DEFINE_integer("batch_size", 100, "Sampling and Inception batch size.")
 
@@ -77,6 +78,7 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
     if num_images + num_reference > len(images):
         raise UsageError(f"--num_images {num_images} + --num_reference {num_reference} is more than the "
                          f"{len(images)} training images: the floor's real images must be apart from the reference")
+    sampler = sampler or cfg.sample_sampler
     check_sampler(build_diffusion(cfg), sampler, steps)  # before training, not after 10 minutes of it
     start_step = latest[0]["step"] if latest else 0
     with output_directory(output, "--output", MARKER):
