@@ -232,6 +232,8 @@ CASES = [
     # demo
     ("17:minutes-nan", "demo", [*DEMO, "--minutes=nan"], "--minutes must be a finite number, got nan"),
     ("minutes-zero", "demo", [*DEMO, "--minutes=0"], "--minutes must be > 0"),
+    ("images-zero", "demo", ["--output=out", "--images=0", "--num_images=2", "--num_reference=2"],
+     "--images must be at least 1, got 0"),
     ("missing-config", "demo", [*DEMO, "--config=nope.cfg"], "Unable to open flagfile"),
     ("steps-over-T", "demo", [*DEMO, "--steps=1001"], "between 1 and T=1000"),
     ("output-of-other-files", "demo", [*DEMO, "--output=notours"], "holds files that megdiffusion did not write"),

@@ -13,9 +13,9 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]  # the code under test, not an installed copy (the demo runs elsewhere)
 
 
-def run_demo(output, home, *extra):
+def run_demo(output, home, *extra, budget=("--minutes=0.02",)):
     env = dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), PYTHONPATH=str(REPO))
-    args = [sys.executable, "-m", "megdiffusion.scripts.demo", "--minutes=0.02", "--num_images=4",
+    args = [sys.executable, "-m", "megdiffusion.scripts.demo", *budget, "--num_images=4",
             "--num_reference=6", "--steps=2", "--batch_size=4", f"--output={output}", *extra]
     return subprocess.run(args, capture_output=True, text=True, timeout=600, env=env, cwd=home)
 
@@ -44,6 +44,11 @@ def test_demo_trains_samples_scores_and_resumes(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     after = json.loads((output / "summary.json").read_text())
     assert after["steps"] == summary["steps"] + after["steps_this_run"] > summary["steps"]
+
+    # An image budget: 20 images at the recipe's batch of 16 are two steps, on top of the resumed ones.
+    by_images = run_demo(output, home, "--resume", budget=("--images=20",))
+    assert by_images.returncode == 0, by_images.stderr
+    assert json.loads((output / "summary.json").read_text())["steps"] == after["steps"] + 2
 
     restarted = run_demo(output, home, "--sampler=ddim")
     assert restarted.returncode == 0, restarted.stderr
@@ -104,3 +109,11 @@ def test_ctrl_c_during_training_saves_a_checkpoint_and_stops_the_whole_demo(tmp_
     assert last.startswith("error: stopped by SIGINT at step ") and last.endswith("continue with --resume")
     assert len(os.listdir(output / "train" / "checkpoints")) == 1
     assert sorted(os.listdir(output)) == ["demo.json", "train"]  # no reference statistics, samples or summary
+
+
+def test_demo_takes_one_training_budget(tmp_path):
+    home, output = tmp_path / "home", tmp_path / "out"
+    home.mkdir()
+    result = run_demo(output, home, budget=("--minutes=1", "--images=100"))
+    assert result.returncode == 2 and "give --minutes or --images, not both" in result.stderr
+    assert not output.exists()

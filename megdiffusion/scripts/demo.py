@@ -2,14 +2,17 @@
 model, save sample and real grids, and score FID against the embedded data, beside the real-data floor of the
 same protocol (the FID of the split's last --num_images real images against the same reference) and a verdict.
 
-    python -m megdiffusion.scripts.demo [--minutes 10] [--output runs/demo] [--resume]
+    python -m megdiffusion.scripts.demo [--minutes 10 | --images 45000] [--output runs/demo] [--resume]
 
 Everything goes under --output, and only after every input has been checked. Without --resume a previous
 demo there is replaced (training starts clean; the cached Inception weights and reference statistics are
-kept); with --resume training continues from its last checkpoint for another --minutes. A directory that
+kept); with --resume training continues from its last checkpoint for another --minutes (or --images). The
+budget is time by default; --images N trains N images (rounded up to whole batches) whatever the machine's speed,
+the budget in which the README's figures are stated. A directory that
 holds other files is refused, and so is one another demo is writing in. Ctrl-C stops the whole demo (after
 a checkpoint, when it comes during training).
 """
+import dataclasses
 import json
 import os
 import shutil
@@ -23,7 +26,10 @@ from megdiffusion.training.config import CPU_RECIPE
 from megdiffusion.fileio import output_directory, save_npz, write_text
 
 FLAGS = flags.FLAGS
-flags.DEFINE_float("minutes", 10.0, "Training time budget in minutes (this run).")
+DEFAULT_MINUTES = 10.0
+flags.DEFINE_float("minutes", None, f"Training time budget in minutes (this run; default {DEFAULT_MINUTES}).")
+flags.DEFINE_integer("images", None, "Instead of --minutes: train this many images in this run (rounded up to "
+                     "whole batches), however long that takes.")
 flags.DEFINE_string("output", "runs/demo", "Output directory; nothing is written outside it.")
 flags.DEFINE_bool("resume", False, "Continue the previous demo's training instead of starting clean.")
 flags.DEFINE_string("config", None, "Training flagfile (default: the package's fashion_mnist_cpu.cfg).")
@@ -58,9 +64,10 @@ def prepare_output(output, resume):
     write_text(os.path.join(output, MARKER), json.dumps({"created_by": "megdiffusion.scripts.demo"}) + "\n")
 
 
-def demo(output, minutes, resume, config_path, num_images, num_reference, sampler, steps, batch_size):
-    """Check everything, then (``output`` locked) train, sample, draw grids and score; returns the summary dict
-    (also written to summary.json)."""
+def demo(output, minutes, resume, config_path, num_images, num_reference, sampler, steps, batch_size,
+         train_images=None):
+    """Check everything, then (``output`` locked) train for ``minutes`` or ``train_images`` (this run), sample,
+    draw grids and score; returns the summary dict (also written to summary.json)."""
     from megdiffusion.cli import UsageError
     from megdiffusion.evaluate import model_fid, reference_statistics
     from megdiffusion.metrics.fid import frechet_distance
@@ -72,15 +79,18 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
 
     logdir = os.path.join(output, "train")
     latest = load_latest(logdir) if resume else None
-    # The recipe's --total_steps stays the cap (and the progress bar's total); the time budget ends the run.
+    start_step = latest[0]["step"] if latest else 0
+    # A time budget keeps the recipe's --total_steps as the cap (and the progress bar's total); an image budget
+    # ends the run at its step.
     cfg, images = config_from_flagfile(config_path, logdir=logdir, resume=latest is not None,
-                                       time_limit_minutes=minutes)
+                                       time_limit_minutes=minutes or 0)
+    if train_images:
+        cfg = dataclasses.replace(cfg, total_steps=start_step + -(-train_images // cfg.batch_size))
     if num_images + num_reference > len(images):
         raise UsageError(f"--num_images {num_images} + --num_reference {num_reference} is more than the "
                          f"{len(images)} training images: the floor's real images must be apart from the reference")
     sampler = sampler or cfg.sample_sampler
     check_sampler(build_diffusion(cfg), sampler, steps)  # before training, not after 10 minutes of it
-    start_step = latest[0]["step"] if latest else 0
     with output_directory(output, "--output", MARKER):
         prepare_output(output, resume)
         started = time.monotonic()
@@ -115,13 +125,18 @@ def main(argv):
 
     reject_arguments(argv)
     with one_line_errors(), megengine_failures("continue with scripts/demo.sh --resume"):
-        if FLAGS.minutes <= 0 or FLAGS.num_images < 2 or FLAGS.num_reference < 2:
+        if FLAGS.minutes is not None and FLAGS.images is not None:
+            raise UsageError("give --minutes or --images, not both (the training budget of this run)")
+        minutes = DEFAULT_MINUTES if FLAGS.minutes is None and FLAGS.images is None else FLAGS.minutes
+        if FLAGS.images is not None and FLAGS.images < 1:
+            raise UsageError(f"--images must be at least 1, got {FLAGS.images}")
+        if (minutes is not None and minutes <= 0) or FLAGS.num_images < 2 or FLAGS.num_reference < 2:
             raise UsageError("--minutes must be > 0, --num_images and --num_reference at least 2")
         # The converted Inception weights are cached under --output too: nothing is written elsewhere.
         os.environ["XDG_CACHE_HOME"] = os.path.abspath(os.path.join(FLAGS.output, "cache"))
         quiet_megengine()
-        s = demo(FLAGS.output, FLAGS.minutes, FLAGS.resume, FLAGS.config or CPU_RECIPE,
-                 FLAGS.num_images, FLAGS.num_reference, FLAGS.sampler, FLAGS.steps, FLAGS.batch_size)
+        s = demo(FLAGS.output, minutes, FLAGS.resume, FLAGS.config or CPU_RECIPE,
+                 FLAGS.num_images, FLAGS.num_reference, FLAGS.sampler, FLAGS.steps, FLAGS.batch_size, FLAGS.images)
     print(f"\ndemo: {s['steps']} training steps ({s['steps_this_run']} in this run, {s['train_minutes']} min, "
           f"{s['train_images_per_s']} images/s)\n"
           f"demo: FID {s['fid']:.2f} (real-data floor {s['fid_floor']:.1f} in this protocol): {s['verdict']}\n"
