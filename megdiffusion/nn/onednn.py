@@ -17,6 +17,7 @@ import ctypes
 import os
 import sys
 import threading
+from typing import NamedTuple
 
 import numpy as np
 
@@ -74,9 +75,18 @@ class OneDNNError(MegdiffusionError):
     exit_code = 1  # not the user's input
 
 
+class _Library(NamedTuple):
+    """The loaded library and the handles every call needs."""
+
+    lib: ctypes.PyDLL  # bookkeeping calls, which keep the GIL
+    set_threads: object  # libgomp's omp_set_num_threads
+    engine: ctypes.c_void_p
+    attr: ctypes.c_void_p  # primitive attributes: user-managed scratchpad
+    execute: object  # dnnl_primitive_execute through CDLL, which releases the GIL
+
+
 def _load():
-    """(library, libgomp's omp_set_num_threads, engine, attr, dnnl_primitive_execute through CDLL) or None when
-    oneDNN cannot be used here."""
+    """The ``_Library``, or None when oneDNN cannot be used here."""
     if os.environ.get("MEGDIFFUSION_ONEDNN", "1").strip() == "0":
         return None
     path = os.path.join(sys.prefix, "lib", "libdnnl.so.3")
@@ -98,7 +108,7 @@ def _load():
     if (lib.dnnl_engine_create(ctypes.byref(engine), 1, 0) or lib.dnnl_primitive_attr_create(ctypes.byref(attr))
             or lib.dnnl_primitive_attr_set_scratchpad_mode(attr, _SCRATCHPAD_MODE_USER)):
         return None
-    return lib, set_threads, engine, attr, releasing.dnnl_primitive_execute
+    return _Library(lib, set_threads, engine, attr, releasing.dnnl_primitive_execute)
 
 
 _state = _load()
@@ -111,7 +121,7 @@ def available():
 
 
 def _call(name, *args, function=None):
-    status = (function or getattr(_state[0], name))(*args)
+    status = (function or getattr(_state.lib, name))(*args)
     if status != 0:
         raise OneDNNError(f"oneDNN's {name} failed with status {status}; MEGDIFFUSION_ONEDNN=0 runs the numpy "
                           "kernels instead")
@@ -121,9 +131,9 @@ def _stream():
     """This thread's oneDNN stream; OpenMP is held to this one thread (each group runs on one core)."""
     stream = getattr(_threads, "stream", None)
     if stream is None:
-        _state[1](1)
+        _state.set_threads(1)
         stream = _ptr()
-        _call("dnnl_stream_create", ctypes.byref(stream), _state[2], 1)
+        _call("dnnl_stream_create", ctypes.byref(stream), _state.engine, 1)
         _threads.stream = stream
     return stream
 
@@ -135,11 +145,11 @@ def _desc(shape, tag):
 
 
 def _same(a, b):
-    return bool(_state[0].dnnl_memory_desc_equal(a, b))
+    return bool(_state.lib.dnnl_memory_desc_equal(a, b))
 
 
 def _buffer(desc):
-    return np.empty(_state[0].dnnl_memory_desc_get_size(desc) // 4, np.float32)
+    return np.empty(_state.lib.dnnl_memory_desc_get_size(desc) // 4, np.float32)
 
 
 class _Primitive:
@@ -150,10 +160,10 @@ class _Primitive:
         self.primitive = _ptr()
         _call("dnnl_primitive_create", ctypes.byref(self.primitive), primitive_desc)
         scratchpad = self.query(_QUERY_SCRATCHPAD_MD)
-        self.scratchpad = scratchpad if scratchpad and _state[0].dnnl_memory_desc_get_size(scratchpad) else None
+        self.scratchpad = scratchpad if scratchpad and _state.lib.dnnl_memory_desc_get_size(scratchpad) else None
 
     def query(self, what):
-        return _ptr(_state[0].dnnl_primitive_desc_query_md(self.desc, what, 0))
+        return _ptr(_state.lib.dnnl_primitive_desc_query_md(self.desc, what, 0))
 
     def __call__(self, args):
         """Execute on ``args``: {argument: (memory descriptor, numpy buffer)}; waits for completion."""
@@ -163,15 +173,15 @@ class _Primitive:
         try:
             for desc, array in args.values():
                 memory = _ptr()
-                _call("dnnl_memory_create", ctypes.byref(memory), desc, _state[2], _ptr(array.ctypes.data))
+                _call("dnnl_memory_create", ctypes.byref(memory), desc, _state.engine, _ptr(array.ctypes.data))
                 memories.append(memory)
             exec_args = (_ExecArg * len(args))(*[_ExecArg(arg, memory) for arg, memory in zip(args, memories)])
             stream = _stream()
-            _call("dnnl_primitive_execute", self.primitive, stream, len(args), exec_args, function=_state[4])
+            _call("dnnl_primitive_execute", self.primitive, stream, len(args), exec_args, function=_state.execute)
             _call("dnnl_stream_wait", stream)
         finally:
             for memory in memories:
-                _state[0].dnnl_memory_destroy(memory)
+                _state.lib.dnnl_memory_destroy(memory)
 
 
 class _Reorder:
@@ -182,8 +192,8 @@ class _Reorder:
         self.primitive = None
         if not _same(source, target):
             desc = _ptr()
-            _call("dnnl_reorder_primitive_desc_create", ctypes.byref(desc), source, _state[2], target, _state[2],
-                  _state[3])
+            _call("dnnl_reorder_primitive_desc_create", ctypes.byref(desc), source, _state.engine, target,
+                  _state.engine, _state.attr)
             self.primitive = _Primitive(desc)
 
     def __call__(self, array, out=None):
@@ -216,17 +226,17 @@ class _Plan:
         right = [_right_padding(size, k, s, p, out) for size, k, s, p, out in
                  zip((h, w), w_shape[2:], stride, padding, out_hw)]
         geometry = (_Dims(*stride), _Dims(0, 0), _Dims(*padding), _Dims(*right))
-        attr = _state[3]
+        attr = _state.attr
         desc = _ptr()
-        _call("dnnl_convolution_forward_primitive_desc_create", ctypes.byref(desc), _state[2], _FORWARD_TRAINING,
+        _call("dnnl_convolution_forward_primitive_desc_create", ctypes.byref(desc), _state.engine, _FORWARD_TRAINING,
               _CONVOLUTION_DIRECT, any_x, any_w, plain_b, any_y, *geometry, attr)
         self.forward = _Primitive(desc)
         desc = _ptr()
-        _call("dnnl_convolution_backward_data_primitive_desc_create", ctypes.byref(desc), _state[2],
+        _call("dnnl_convolution_backward_data_primitive_desc_create", ctypes.byref(desc), _state.engine,
               _CONVOLUTION_DIRECT, any_x, any_w, any_y, *geometry, self.forward.desc, attr)
         self.backward_data = _Primitive(desc)
         desc = _ptr()
-        _call("dnnl_convolution_backward_weights_primitive_desc_create", ctypes.byref(desc), _state[2],
+        _call("dnnl_convolution_backward_weights_primitive_desc_create", ctypes.byref(desc), _state.engine,
               _CONVOLUTION_DIRECT, any_x, any_w, plain_b, any_y, *geometry, self.forward.desc, attr)
         self.backward_weights = _Primitive(desc)
         self.plain_b = plain_b
