@@ -19,7 +19,7 @@ from megdiffusion.fileio import output_directory
 from megdiffusion.images import save_png
 from megdiffusion.nn.conv import fast_conv_enabled
 from megdiffusion.training import checkpoint as ckpt
-from megdiffusion.training import distributed
+from megdiffusion.training import distributed, native_step
 from megdiffusion.training.config import TrainConfig, build_diffusion, build_model
 from megdiffusion.training.flat_update import FlatUpdate
 from megdiffusion.training.outputs import RUN_MARKER, RunLogger, grid_path, sample_grid, write_run_files
@@ -58,8 +58,10 @@ def step_rng(seed, rank, step):
 class Trainer:
     """Model, EMA copy, diffusion, Adam and the step count; ``step(x0)`` does one optimizer update.
 
-    On the fast CPU path (``megdiffusion.nn.conv.fast_conv_enabled()``) clipping, Adam and the EMA run in
-    numpy on flat buffers (``flat_update.FlatUpdate``) that hold the EMA weights and Adam's state between
+    On the fast CPU path (``megdiffusion.nn.conv.fast_conv_enabled()``) the loss and gradients are computed in
+    numpy and oneDNN (``native``, a ``native_step.NativeStep``; None where it does not implement the setup, e.g.
+    dropout or a learned variance: MegEngine's autodiff then computes them), and clipping, Adam and the EMA run in
+    numpy on flat buffers (``flat_update.FlatUpdate``) that hold the weights, the EMA weights and Adam's state between
     steps. Reading ``model``, ``ema`` or ``optimizer`` writes that state back into these MegEngine objects
     first, which then hold it (they may be read or changed, e.g. by ``checkpoint.restore``) until the next
     fast step takes it from them again: read them afresh after each step rather than keep a reference.
@@ -82,6 +84,9 @@ class Trainer:
             self.params, callbacks=distributed.allreduce_mean_callbacks(world_size))
         self._optimizer = Adam(self.params, lr=config.lr)
         self._flat = None  # the FlatUpdate holding the EMA and Adam's state, between fast steps
+        # The whole step in numpy on the fast path (``native_step``), where it implements the setup.
+        supported = native_step.unsupported(self._model, self.diffusion, world_size) is None
+        self.native = native_step.NativeStep(self._model, self.diffusion, self.params) if supported else None
         self.step_count = 0
 
     @property
@@ -101,6 +106,12 @@ class Trainer:
         """MegEngine's ``Adam`` over ``params``."""
         self._release()
         return self._optimizer
+
+    def _flat_update(self):
+        """The ``FlatUpdate`` of the fast path, built from the MegEngine objects' state when there is none."""
+        if self._flat is None:
+            self._flat = FlatUpdate(self.params, list(self._ema.parameters()), self._optimizer)
+        return self._flat
 
     def _release(self):
         """Hand the fast path's flat state back to the MegEngine objects."""
@@ -123,21 +134,27 @@ class Trainer:
         for group in self._optimizer.param_groups:
             group["lr"] = lr
         self._model.train()
-        with self.grad_manager:
-            loss = self.diffusion.training_losses(self._model, mge.tensor(x0), mge.tensor(t),
-                                                  mge.tensor(noise))["loss"].mean()
-            self.grad_manager.backward(loss)
         # With clipping off, an infinite bound leaves the gradients untouched (scale min(inf, 1) = 1).
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        flat = fast_conv_enabled() and all(p.grad is not None for p in self.params)
+        native = self.native is not None and fast_conv_enabled() and native_step.enabled()
+        if native:
+            flat_update = self._flat_update()
+            loss, flat_update.grad = self.native.loss_and_gradients(flat_update.param, x0, t, noise)
+        else:
+            with self.grad_manager:
+                loss = self.diffusion.training_losses(self._model, mge.tensor(x0), mge.tensor(t),
+                                                      mge.tensor(noise))["loss"].mean()
+                self.grad_manager.backward(loss)
+            loss = loss.item()
+        flat = native or (fast_conv_enabled() and all(p.grad is not None for p in self.params))
         if flat:
-            if self._flat is None:
-                self._flat = FlatUpdate(self.params, list(self._ema.parameters()), self._optimizer)
+            if not native:
+                self._flat_update().gather_gradients()
             grad_norm = self._flat.gradient_norm()
         else:
             self._release()
             grad_norm = clip_grad_norm(self.params, max_norm)
-        grad_norm, loss = float(grad_norm), loss.item()
+        grad_norm = float(grad_norm)
         if not (np.isfinite(loss) and np.isfinite(grad_norm)):
             self._optimizer.clear_grad()
             raise NonFiniteLossError(f"non-finite loss {loss} (gradient norm {grad_norm}) at step "

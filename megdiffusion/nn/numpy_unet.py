@@ -1,0 +1,341 @@
+"""The UNet's training pass outside MegEngine: forward and backward in numpy, the 3x3 convolutions on oneDNN.
+
+The fast CPU training step (``megdiffusion.training.native_step``) runs here. Through MegEngine a step of the
+CPU recipe dispatched ~1,000 small ops and waited on MegEngine's worker thread at every hand-over to the numpy
+convolutions, holding the GIL meanwhile (benchmarks/README.md, "What the remaining gap is made of"). Here a
+group of samples goes forward as plain numpy calls; each layer returns its output and the closure of its
+backward, and the backward pass calls them in reverse.
+
+The network is a ``describe``d ``UNet``: the module tree as plain namespaces (picklable, no MegEngine), every
+``Parameter`` replaced by its index in the parameter list, so that processes without MegEngine can run it
+(``training.group_workers``). Parameters are read from ``weights`` and gradients added into ``grads``, lists of
+numpy arrays in that order. The arithmetic is the modules' (``nn.layers``, ``nn.unet``): outputs and gradients
+equal MegEngine's up to float32 rounding (tests: 1e-4 relative). Two sums run in another order than MegEngine's:
+SiLU(temb) is computed once for all residual blocks, and the q, k and v projections of an attention block are
+one matmul.
+"""
+import types
+
+import numpy as np
+
+from megdiffusion.nn import onednn
+
+
+def describe(module, params):
+    """``module`` as nested ``SimpleNamespace``s of its public attributes: sub-modules (also in lists) described
+    the same way, each ``Parameter`` of ``params`` as its index there, plain values (numbers, strings, tuples,
+    None) as they are."""
+    from megengine import Parameter
+    from megengine.module import Module
+
+    index = {id(p): i for i, p in enumerate(params)}
+
+    def convert(value):
+        if isinstance(value, Parameter):
+            return index[id(value)]
+        if isinstance(value, Module):
+            converted = {name: convert(v) for name, v in vars(value).items() if not name.startswith("_")}
+            return types.SimpleNamespace(**{name: v for name, v in converted.items() if v is not _SKIP})
+        if isinstance(value, list):
+            return [convert(v) for v in value]
+        if value is None or isinstance(value, (bool, int, float, str, tuple)):
+            return value
+        return _SKIP
+
+    return convert(module)
+
+
+_SKIP = object()
+
+
+def unsupported(model):
+    """Why this pass cannot train ``model`` (a ``describe``d UNet; one phrase), or None when it can."""
+    if not onednn.available():
+        return "oneDNN is not available"
+    blocks = [block for level in model.down + model.up for block in level.blocks]
+    blocks += [model.mid_block1, model.mid_block2]
+    if any(block.scale_shift for block in blocks):
+        return "use_scale_shift_norm is not implemented"
+    if any(block.dropout.drop_prob > 0 for block in blocks):
+        return "dropout needs MegEngine's random generator"
+    return None
+
+
+def _serial(count, work):
+    work(slice(0, count))
+
+
+class _Layers:
+    """The layer functions of one group's pass on NHWC arrays: each returns (output, backward), backward(dy) -> dx,
+    adding parameter gradients into ``grads``."""
+
+    def __init__(self, weights, grads):
+        self.weights, self.grads = weights, grads
+
+    def w(self, param):
+        return self.weights[param]
+
+    def add_grad(self, param, value):
+        grad = self.grads[param]
+        grad += value.reshape(grad.shape)
+
+    def conv(self, module, x, bottom_right=False):
+        """``module`` (a Conv2d) on x; ``bottom_right``: x padded by one row and column at the bottom and right
+        first (``Downsample``'s TF padding)."""
+        weight, bias = self.w(module.weight), self.w(module.bias).reshape(-1)
+        if weight.shape[2:] == (1, 1):
+            return self._conv1x1(module, weight.reshape(weight.shape[:2]), bias, x)
+        stride, padding = tuple(module.stride), tuple(module.padding)
+        size = [s + bottom_right for s in x.shape[1:3]]
+        out_hw = tuple((s + 2 * p - k) // st + 1 for s, p, k, st in zip(size, padding, weight.shape[2:], stride))
+        x = np.ascontiguousarray(x)
+        y = onednn.conv2d_forward(x, weight, bias, stride, padding, out_hw, _serial, group=len(x), channels_last=True)
+
+        def backward(dy):
+            dx, dw, db = onednn.conv2d_backward(x, weight, np.ascontiguousarray(dy), stride, padding, True, _serial,
+                                                group=len(x), channels_last=True)
+            self.add_grad(module.weight, dw)
+            self.add_grad(module.bias, db)
+            return dx
+
+        return y, backward
+
+    def _conv1x1(self, module, weight, bias, x):
+        rows = x.reshape(-1, x.shape[-1])
+        y = rows @ weight.T
+        y += bias
+
+        def backward(dy):
+            dy_rows = dy.reshape(y.shape)
+            self.add_grad(module.weight, dy_rows.T @ rows)
+            self.add_grad(module.bias, dy_rows.sum(axis=0))
+            return (dy_rows @ weight).reshape(x.shape)
+
+        return y.reshape(x.shape[:-1] + (len(weight),)), backward
+
+    def linear(self, module, x):
+        weight, bias = self.w(module.weight), self.w(module.bias)
+        y = x @ weight.T + bias
+
+        def backward(dy):
+            self.add_grad(module.weight, dy.T @ x)
+            self.add_grad(module.bias, dy.sum(axis=0))
+            return dy @ weight
+
+        return y, backward
+
+    def group_norm(self, module, x):
+        n, c = len(x), x.shape[-1]
+        groups = module.num_groups
+        count = np.float32(x.size // (n * groups))  # values per (sample, group)
+
+        def per_channel(group_values):  # (n, groups) -> (n, 1, c)
+            return np.repeat(group_values, c // groups, axis=1)[:, None, :]
+
+        def group_mean(channel_sums):  # (n, c) -> (n, groups)
+            return channel_sums.reshape(n, groups, -1).sum(axis=2) / count
+
+        normed = x.reshape(n, -1, c)  # (n, h * w, c)
+        normed = normed - per_channel(group_mean(normed.sum(axis=1)))
+        variance = group_mean(np.einsum("npc,npc->nc", normed, normed))
+        rstd = per_channel(1.0 / np.sqrt(variance + np.float32(module.eps)))
+        normed *= rstd
+        gamma, beta = self.w(module.weight), self.w(module.bias)
+        y = normed * gamma
+        y += beta
+
+        def backward(dy):
+            dy = dy.reshape(normed.shape)
+            self.add_grad(module.weight, np.einsum("npc,npc->c", dy, normed))
+            self.add_grad(module.bias, dy.sum(axis=(0, 1)))
+            dnormed = dy * gamma
+            dx = dnormed - per_channel(group_mean(dnormed.sum(axis=1)))
+            dx -= normed * per_channel(group_mean(np.einsum("npc,npc->nc", dnormed, normed)))
+            dx *= rstd
+            return dx.reshape(x.shape)
+
+        return y.reshape(x.shape), backward
+
+    @staticmethod
+    def silu(x):
+        sig = np.negative(x)
+        np.exp(sig, out=sig)
+        sig += 1.0
+        np.reciprocal(sig, out=sig)
+
+        def backward(dy):
+            dx = 1.0 - sig  # d(x * s)/dx = s * (1 + x * (1 - s))
+            dx *= x
+            dx += 1.0
+            dx *= sig
+            dx *= dy
+            return dx
+
+        return x * sig, backward
+
+    def norm_silu(self, module, x):
+        h, norm_back = self.group_norm(module, x)
+        y, silu_back = self.silu(h)
+        return y, lambda dy: norm_back(silu_back(dy))
+
+    def res_block(self, block, x, temb_act):
+        """``ResBlock`` on x given SiLU(temb): (output, backward(dy) -> (dx, d SiLU(temb)))."""
+        h, back1 = self.norm_silu(block.norm1, x)
+        h, back2 = self.conv(block.conv1, h)
+        emb, back3 = self.linear(block.temb_proj, temb_act)
+        h, back4 = self.norm_silu(block.norm2, h + emb[:, None, None, :])
+        h, back5 = self.conv(block.conv2, h)
+        skip, back6 = self.conv(block.skip, x) if block.skip is not None else (x, None)
+
+        def backward(dy):
+            dh = back4(back5(dy))
+            dtemb = back3(dh.sum(axis=(1, 2)))
+            dx = back1(back2(dh))
+            dx += dy if back6 is None else back6(dy)
+            return dx, dtemb
+
+        return skip + h, backward
+
+    def attention(self, attn, x):
+        """``AttnBlock`` on x."""
+        n, height, width, c = x.shape
+        heads, positions = attn.num_heads, height * width
+        d = c // heads
+        scale = np.float32(d ** -0.5)
+
+        def to_heads(a):  # (n, positions, c) -> (n * heads, positions, d)
+            return a.reshape(n, positions, heads, d).transpose(0, 2, 1, 3).reshape(n * heads, positions, d)
+
+        def from_heads(a):
+            return a.reshape(n, heads, positions, d).transpose(0, 2, 1, 3).reshape(n, positions, c)
+
+        h, norm_back = self.group_norm(attn.norm, x)
+        rows = h.reshape(-1, c)
+        projections = (attn.q, attn.k, attn.v)
+        w_qkv = np.concatenate([self.w(p.weight).reshape(c, c) for p in projections])
+        b_qkv = np.concatenate([self.w(p.bias).reshape(c) for p in projections])
+        qkv = rows @ w_qkv.T
+        qkv += b_qkv
+        q, k, v = (to_heads(qkv[:, i * c:(i + 1) * c].reshape(n, positions, c)) for i in range(3))
+        logits = q @ k.transpose(0, 2, 1)  # (n * heads, query, key)
+        logits *= scale
+        logits -= logits.max(axis=2, keepdims=True)
+        weights = np.exp(logits)
+        weights /= weights.sum(axis=2, keepdims=True)
+        mixed = from_heads(weights @ v).reshape(x.shape)
+        out, proj_back = self.conv(attn.proj_out, mixed)
+
+        def backward(dy):
+            dmixed = to_heads(proj_back(dy).reshape(n, positions, c))
+            dv = weights.transpose(0, 2, 1) @ dmixed
+            dweights = dmixed @ v.transpose(0, 2, 1)
+            dlogits = dweights - np.sum(dweights * weights, axis=2, keepdims=True)
+            dlogits *= weights
+            dlogits *= scale
+            dq = dlogits @ k
+            dk = dlogits.transpose(0, 2, 1) @ q
+            dqkv = np.concatenate([from_heads(g) for g in (dq, dk, dv)], axis=2).reshape(-1, 3 * c)
+            dw = dqkv.T @ rows
+            db = dqkv.sum(axis=0)
+            for i, p in enumerate(projections):
+                self.add_grad(p.weight, dw[i * c:(i + 1) * c])
+                self.add_grad(p.bias, db[i * c:(i + 1) * c])
+            dx = norm_back((dqkv @ w_qkv).reshape(x.shape))
+            dx += dy
+            return dx
+
+        return x + out, backward
+
+    def upsample(self, module, x):
+        """``Upsample``: nearest-neighbour 2x, then its convolution."""
+        n, h, w, c = x.shape
+        wide = np.broadcast_to(x[:, :, None, :, None, :], (n, h, 2, w, 2, c)).reshape(n, 2 * h, 2 * w, c)
+        y, conv_back = self.conv(module.conv, wide)
+        return y, lambda dy: conv_back(dy).reshape(n, h, 2, w, 2, c).sum(axis=(2, 4))
+
+    def downsample(self, module, x):
+        return self.conv(module.conv, x, bottom_right=module.bottom_right)
+
+
+def unet_forward(model, weights, grads, x, temb_in):
+    """The output of ``model`` (a ``describe``d UNet) on x (N, H, W, C: channels last, as the output) given the
+    sinusoidal embedding ``temb_in`` (N, model_channels) of its timesteps: (output, backward); backward(d output)
+    adds every parameter's gradient into ``grads``."""
+    layers = _Layers(weights, grads)
+    a, dense0_back = layers.linear(model.temb_dense0, temb_in)
+    a, silu0_back = layers.silu(a)
+    temb, dense1_back = layers.linear(model.temb_dense1, a)
+    temb_act, temb_back = layers.silu(temb)
+    blocks = []  # (backward of a residual block, backward of its attention or None)
+
+    def block(module, attn, h):
+        h, back = layers.res_block(module, h, temb_act)
+        attn_back = None
+        if attn is not None:
+            h, attn_back = layers.attention(attn, h)
+        blocks.append((back, attn_back))
+        return h
+
+    # Down: every stage's output is a skip, and the next stage's input.
+    h, back = layers.conv(model.conv_in, x)
+    stages, hs = [back], [h]
+    for level in model.down:
+        for i, module in enumerate(level.blocks):
+            hs.append(block(module, level.attns[i] if level.attns else None, hs[-1]))
+            stages.append(len(blocks) - 1)
+        if level.downsample is not None:
+            h, back = layers.downsample(level.downsample, hs[-1])
+            hs.append(h)
+            stages.append(back)
+    mid = len(blocks)
+    h = block(model.mid_block1, model.mid_attn, hs[-1])
+    h = block(model.mid_block2, None, h)
+    ups = []  # per up block: its index in ``blocks`` and the channels of h in its input; or an upsample's backward
+    for level in reversed(model.up):
+        for i, module in enumerate(level.blocks):
+            ups.append((len(blocks), h.shape[3]))
+            h = block(module, level.attns[i] if level.attns else None, np.concatenate([h, hs.pop()], axis=3))
+        if level.upsample is not None:
+            h, back = layers.upsample(level.upsample, h)
+            ups.append(back)
+    h, out_back = layers.norm_silu(model.norm_out, h)
+    out, conv_back = layers.conv(model.conv_out, h)
+
+    def backward(dout):
+        dtemb_act = np.zeros_like(temb_act)
+
+        def block_back(index, dh):
+            back, attn_back = blocks[index]
+            dh, dtemb = back(dh if attn_back is None else attn_back(dh))
+            dtemb_act[...] += dtemb
+            return dh
+
+        dh = out_back(conv_back(dout))
+        dskips = []  # gradients of hs, last first
+        for up in reversed(ups):
+            if callable(up):
+                dh = up(dh)
+                continue
+            index, channels = up
+            dcat = block_back(index, dh)
+            dh, dskip = dcat[..., :channels], dcat[..., channels:]
+            dskips.append(dskip)
+        dh = block_back(mid, block_back(mid + 1, dh))
+        for stage, dskip in zip(reversed(stages), reversed(dskips)):
+            dh = dh + dskip
+            dh = block_back(stage, dh) if isinstance(stage, int) else stage(dh)
+        dense0_back(silu0_back(dense1_back(temb_back(dtemb_act))))
+
+    return out, backward
+
+
+def group_loss_and_gradients(model, weights, grads, x_t, target, mse_weight, temb_in, batch_size):
+    """One group's share of the training loss: the sum over its samples of ``mse_weight`` times the mean squared
+    error between ``model``'s output at (x_t, temb_in) and ``target`` (both NCHW); the gradients of that sum divided
+    by ``batch_size`` (the group's share of the batch mean) are added into ``grads``."""
+    out, backward = unet_forward(model, weights, grads, np.ascontiguousarray(x_t.transpose(0, 2, 3, 1)), temb_in)
+    diff = out - target.transpose(0, 2, 3, 1)
+    loss = float(np.sum(np.mean(np.square(diff, dtype=np.float64), axis=(1, 2, 3)) * mse_weight))
+    diff *= mse_weight.reshape(-1, 1, 1, 1) * np.float32(2.0 / (batch_size * diff[0].size))
+    backward(diff)
+    return loss

@@ -1,0 +1,198 @@
+"""Worker processes that compute groups of a training batch (the fast CPU path of ``Trainer.step``).
+
+A batch is cut into groups of a fixed size (``native_step.GROUP``); group g runs on process g mod P, process 0
+being the caller, where P is at most one per core. Processes rather than threads: numpy's many small operations
+hand the GIL to each other, and two threads ran a step only 1.1-1.2x faster than one, where two processes run
+two groups in the time of one. Each group's arithmetic is the same in any process, and the caller sums the
+groups' gradients in group order, so results are bit-identical for any number of processes.
+
+The workers run ``python -c`` with this module and never import MegEngine; they receive the ``describe``d network
+once, and per step their groups' inputs through a socket. Weights and gradients, the large arrays, go through
+files mapped into every process (in ``/dev/shm`` where it exists), unlinked as soon as the workers have mapped
+them. A worker exits when the caller closes its socket (``close``, or the caller's exit).
+"""
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import traceback
+import weakref
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from megdiffusion.batch_threads import one_blas_thread
+from megdiffusion.errors import MegdiffusionError
+from megdiffusion.nn import numpy_unet
+
+
+_INSTEAD = "MEGDIFFUSION_NATIVE_STEP=0 trains through MegEngine's autodiff, without worker processes"
+
+
+class WorkerError(MegdiffusionError):
+    """A worker process failed or died."""
+
+    exit_code = 1  # not the user's input
+
+
+def _shared_array(count):
+    """A float32 array of ``count`` elements in a file mapped shared, and the file's path."""
+    directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    fd, path = tempfile.mkstemp(prefix="megdiffusion-", dir=directory)
+    os.close(fd)
+    return np.memmap(path, np.float32, "w+", shape=(max(count, 1),))[:count], path
+
+
+def _views(flat, shapes):
+    """``flat`` cut into arrays of ``shapes``, one after the other."""
+    bounds = np.cumsum([0] + [int(np.prod(shape)) for shape in shapes]).tolist()
+    return [flat[a:b].reshape(shape) for a, b, shape in zip(bounds, bounds[1:], shapes)]
+
+
+class GroupWorkers:
+    """The caller plus ``count`` worker processes for ``model`` (a ``describe``d UNet) with parameters of
+    ``shapes``. ``close()`` stops the workers; so does collecting the object, or the caller's exit."""
+
+    def __init__(self, model, shapes, count):
+        self.model, self.shapes = model, [tuple(shape) for shape in shapes]
+        self.total = int(sum(np.prod(shape) for shape in self.shapes))
+        self.processes, self.connections = [], []
+        self.weights = self.grads = None
+        self.local_grads = []  # the caller's per-group gradient buffers, kept between steps
+        self.close = weakref.finalize(self, _stop, self.connections, self.processes)
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([package_root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        for _ in range(count):
+            ours, theirs = socket.socketpair()
+            code = f"from megdiffusion.training.group_workers import serve; serve({theirs.fileno()})"
+            process = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=env,
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+            theirs.close()
+            self.processes.append(process)
+            self.connections.append(Connection(ours.detach()))
+        self._broadcast(("model", model, self.shapes))
+
+    def _broadcast(self, message):
+        for connection in self.connections:
+            self._send(connection, message)
+        for connection in self.connections:
+            self._receive(connection)
+
+    def _send(self, connection, message):
+        try:
+            connection.send(message)
+        except OSError:
+            self._died(connection)
+
+    def _receive(self, connection):
+        try:
+            kind, value = connection.recv()
+        except (EOFError, OSError):
+            self._died(connection)
+        if kind == "error":
+            self.close()
+            raise WorkerError(f"a training worker process failed: {value} (its traceback is above); {_INSTEAD}")
+        return value
+
+    def _died(self, connection):
+        process = self.processes[self.connections.index(connection)]
+        try:
+            code = process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = "unknown (still running)"
+        self.close()
+        raise WorkerError(f"a training worker process (pid {process.pid}) died, exit code {code}; its error, if "
+                          f"any, is above; {_INSTEAD}") from None
+
+    def _map_buffers(self, slots):
+        """Shared weights and ``slots`` shared gradient buffers, mapped into every worker."""
+        self.weights, weights_path = _shared_array(self.total)
+        self.grads, grads_path = _shared_array(slots * self.total)
+        self.grads = self.grads.reshape(slots, self.total)
+        try:
+            self._broadcast(("buffers", weights_path, grads_path, slots))
+        finally:
+            os.unlink(weights_path)
+            os.unlink(grads_path)
+
+    def run(self, flat_weights, groups, batch_size):
+        """[(loss, flat gradient)] of each group in ``groups`` ([(x_t, target, mse_weight, temb_in)]) at the weights
+        ``flat_weights``: ``numpy_unet.group_loss_and_gradients`` of each, in group order."""
+        processes = min(len(self.connections) + 1, len(groups))
+        jobs = [[] for _ in range(processes)]  # per process: (group index, slot)
+        for index in range(len(groups)):
+            jobs[index % processes].append(index)
+        remote = [index for job in jobs[1:] for index in job]
+        if remote:
+            if self.grads is None or len(self.grads) < len(remote):
+                self._map_buffers(len(remote))
+            np.copyto(self.weights, flat_weights)
+            slot = {index: i for i, index in enumerate(remote)}
+            for connection, job in zip(self.connections, jobs[1:]):
+                self._send(connection, ("groups", batch_size, [(slot[i],) + tuple(groups[i]) for i in job]))
+        while len(self.local_grads) < len(jobs[0]):
+            self.local_grads.append(np.empty(self.total, np.float32))
+        weights = _views(flat_weights, self.shapes)
+        results = {}
+        with one_blas_thread():
+            for buffer, index in zip(self.local_grads, jobs[0]):
+                buffer.fill(0)
+                loss = numpy_unet.group_loss_and_gradients(self.model, weights, _views(buffer, self.shapes),
+                                                           *groups[index], batch_size)
+                results[index] = (loss, buffer)
+        for connection, job in zip(self.connections, jobs[1:]):
+            for index, loss in zip(job, self._receive(connection)):
+                results[index] = (loss, self.grads[slot[index]])
+        return [results[index] for index in range(len(groups))]
+
+
+
+def _stop(connections, processes):
+    """Close the workers' sockets (each worker then exits) and wait for them."""
+    for connection in connections:
+        connection.close()
+    for process in processes:
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    connections.clear()
+    processes.clear()
+
+
+def serve(fd):
+    """A worker's loop on the socket ``fd``: messages ("model", model, shapes), ("buffers", weights path, gradients
+    path, slots) and ("groups", batch size, [(slot, x_t, target, mse_weight, temb_in)]); each answered with
+    ("ok", result) or ("error", the exception in one line; its traceback goes to stderr)."""
+    connection = Connection(fd)
+    model = shapes = weights = grads = None
+    while True:
+        try:
+            message = connection.recv()
+        except (EOFError, OSError):  # the caller closed the socket or exited
+            return
+        try:
+            kind = message[0]
+            if kind == "model":
+                _, model, shapes = message
+                result = None
+            elif kind == "buffers":
+                _, weights_path, grads_path, slots = message
+                total = int(sum(np.prod(shape) for shape in shapes))
+                weights = _views(np.memmap(weights_path, np.float32, "r", shape=(max(total, 1),))[:total], shapes)
+                grads = np.memmap(grads_path, np.float32, "r+", shape=(max(slots * total, 1),))
+                grads = grads[:slots * total].reshape(slots, total)
+                result = None
+            else:
+                _, batch_size, jobs = message
+                result = []
+                for slot, *inputs in jobs:
+                    grads[slot].fill(0)
+                    result.append(numpy_unet.group_loss_and_gradients(model, weights, _views(grads[slot], shapes),
+                                                                      *inputs, batch_size))
+            connection.send(("ok", result))
+        except Exception as error:  # noqa: BLE001 - the caller raises it
+            traceback.print_exc()
+            connection.send(("error", f"{type(error).__name__}: {error}"))

@@ -1,0 +1,199 @@
+"""The training pass outside MegEngine (``nn.numpy_unet``, ``training.native_step``, ``training.group_workers``):
+the same outputs, gradients and training steps as MegEngine's autodiff, and bit-identical on any number of
+processes."""
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from megdiffusion.compat import quiet_megengine
+from megdiffusion.nn import numpy_unet, onednn
+from megdiffusion.nn.conv import set_fast_conv
+from megdiffusion.nn.layers import timestep_embedding
+from megdiffusion.nn.unet import UNet
+from megdiffusion.training import native_step
+from megdiffusion.training import trainer as trainer_module
+from megdiffusion.training.config import build_diffusion, build_model
+from megdiffusion.training.group_workers import WorkerError
+from megdiffusion.training.trainer import Trainer
+
+mge = quiet_megengine()
+from megengine.autodiff import GradManager  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not onednn.available(), reason="the numpy pass needs oneDNN")
+
+UNETS = {
+    # The CPU recipe's shape, smaller: three levels, attention at 7 with 2 heads, two blocks per level.
+    "recipe": dict(in_channels=1, model_channels=16, channel_mult=(1, 2, 4), num_res_blocks=2,
+                   attention_resolutions=(7,), image_size=28, norm_groups=4, num_heads=2),
+    # pytorch-ddpm's padding and time embedding, 3 channels, attention at the top.
+    "cifar": dict(in_channels=3, model_channels=8, channel_mult=(1, 2), num_res_blocks=1, attention_resolutions=(8,),
+                  image_size=8, norm_groups=4, downsample_padding="symmetric", time_embedding="pytorch_ddpm"),
+}
+
+
+def randomised(model, seed=0):
+    """Every parameter drawn at random: the near-zero inits would hide a wrong gradient."""
+    rng = np.random.default_rng(seed)
+    for p in model.parameters():
+        p._reset(mge.tensor(rng.standard_normal(p.shape).astype(np.float32) * 0.2))
+    return model
+
+
+def megengine_gradients(params, loss):
+    """The gradients of ``loss()`` with respect to ``params`` by MegEngine's autodiff and native kernels."""
+    set_fast_conv(False)
+    try:
+        grad_manager = GradManager().attach(params)
+        with grad_manager:
+            grad_manager.backward(loss())
+        return [p.grad.numpy() for p in params]
+    finally:
+        set_fast_conv(None)
+
+
+def assert_gradients_close(got, expected):
+    scale = max(np.abs(g).max() for g in expected)
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("name", sorted(UNETS))
+def test_the_numpy_pass_is_the_unet_and_its_gradients(name):
+    kwargs = UNETS[name]
+    mge.random.seed(0)
+    model = randomised(UNet(dropout=0.0, **kwargs))
+    model.train()
+    rng = np.random.default_rng(1)
+    size, channels = kwargs["image_size"], kwargs["in_channels"]
+    x = rng.standard_normal((3, channels, size, size)).astype(np.float32)
+    t = np.array([0, 17, 999], np.int32)
+    dout = rng.standard_normal(x.shape).astype(np.float32)
+    params = list(model.parameters())
+    outputs = []
+
+    def loss():
+        outputs.append(model(mge.tensor(x), mge.tensor(t)))
+        return (outputs[0] * mge.tensor(dout)).sum()
+
+    expected_grads = megengine_gradients(params, loss)
+    expected_out = outputs[0].numpy()
+    grads = [np.zeros(p.shape, np.float32) for p in params]
+    temb_in = timestep_embedding(mge.tensor(t), model.model_channels, model.time_embedding).numpy()
+    out, backward = numpy_unet.unet_forward(numpy_unet.describe(model, params), [p.numpy() for p in params], grads,
+                                            np.ascontiguousarray(x.transpose(0, 2, 3, 1)), temb_in)
+    backward(np.ascontiguousarray(dout.transpose(0, 2, 3, 1)))
+    np.testing.assert_allclose(out.transpose(0, 3, 1, 2), expected_out, rtol=1e-4,
+                               atol=1e-5 * np.abs(expected_out).max())
+    assert_gradients_close(grads, expected_grads)
+
+
+@pytest.mark.parametrize("loss", [dict(), dict(mean_type="xstart", min_snr_gamma=5.0)], ids=["eps", "xstart-minsnr"])
+def test_native_loss_and_gradients_are_training_losses(tiny_config, loss):
+    """NativeStep on a batch of 20 (three groups: a worker process computes some) against the batch mean of
+    ``training_losses`` through MegEngine's autodiff, with Min-SNR weights and the x_0 target too."""
+    cfg = tiny_config(channel_mult=(1, 2), attention_resolutions=(4,), norm_groups=4, num_timesteps=100, **loss)
+    mge.random.seed(0)
+    model = randomised(build_model(cfg))
+    model.train()
+    diffusion = build_diffusion(cfg)
+    rng = np.random.default_rng(2)
+    x0 = rng.uniform(-1, 1, (20, 1, 8, 8)).astype(np.float32)
+    t = rng.integers(0, 100, 20).astype(np.int32)
+    noise = rng.standard_normal(x0.shape).astype(np.float32)
+    params = list(model.parameters())
+    losses = []
+
+    def mean_loss():
+        losses.append(diffusion.training_losses(model, mge.tensor(x0), mge.tensor(t), mge.tensor(noise))["loss"].mean())
+        return losses[0]
+
+    expected_grads = megengine_gradients(params, mean_loss)
+    step = native_step.NativeStep(model, diffusion, params)
+    flat = np.concatenate([p.numpy().reshape(-1) for p in params])
+    loss_value, gradient = step.loss_and_gradients(flat, x0, t, noise)
+    assert loss_value == pytest.approx(float(losses[0].numpy()), rel=1e-5)
+    bounds = np.cumsum([0] + [int(np.prod(p.shape)) for p in params])
+    assert_gradients_close([gradient[a:b].reshape(p.shape) for a, b, p in zip(bounds, bounds[1:], params)],
+                           expected_grads)
+    step.workers.close()
+
+
+def full_state(trainer):
+    state = trainer.optimizer.state_dict()["state"]
+    arrays = [p.numpy() for p in trainer.model.parameters()] + [p.numpy() for p in trainer.ema.parameters()]
+    return arrays + [state[i][key] for i in sorted(state) for key in ("exp_avg", "exp_avg_sq")]
+
+
+def batch(seed, n=16):
+    return np.random.default_rng(seed).uniform(-1, 1, (n, 1, 8, 8)).astype(np.float32)
+
+
+def test_native_steps_are_megengine_steps(tiny_config, monkeypatch):
+    """Three Trainer steps of batch 16 through the numpy pass and through MegEngine's autodiff (both with the numpy
+    update): the same losses, gradient norms and weights up to float32 rounding."""
+    monkeypatch.setattr(trainer_module, "fast_conv_enabled", lambda: True)
+    cfg = tiny_config(batch_size=16, channel_mult=(1, 2), attention_resolutions=(4,), norm_groups=4, lr=1e-3)
+    native, autodiff = Trainer(cfg), Trainer(cfg)
+    autodiff.native = None
+    assert native.native is not None
+    for k in range(3):
+        got, expected = native.step(batch(k)), autodiff.step(batch(k))
+        assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
+    for a, b in zip(full_state(native), full_state(autodiff)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    native.native.workers.close()
+
+
+def test_native_steps_do_not_depend_on_the_number_of_processes(tiny_config, monkeypatch):
+    monkeypatch.setattr(trainer_module, "fast_conv_enabled", lambda: True)
+    states = []
+    for cores in (1, 2, 3):
+        monkeypatch.setattr(native_step, "THREADS", cores)
+        trainer = Trainer(tiny_config(batch_size=24))
+        for k in range(2):
+            trainer.step(batch(k, 24))
+        assert len(trainer.native.workers.processes) == cores - 1
+        states.append(full_state(trainer))
+        trainer.native.workers.close()
+    for other in states[1:]:
+        for a, b in zip(states[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_dead_worker_is_one_clear_error(tiny_config, monkeypatch):
+    monkeypatch.setattr(trainer_module, "fast_conv_enabled", lambda: True)
+    monkeypatch.setattr(native_step, "THREADS", 2)
+    trainer = Trainer(tiny_config(batch_size=16))
+    trainer.step(batch(0))
+    [process] = trainer.native.workers.processes
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    with pytest.raises(WorkerError, match=rf"pid {process.pid}\) died, exit code -9"):
+        trainer.step(batch(1))
+
+
+def test_an_error_in_a_worker_is_raised_by_the_caller(tiny_config, monkeypatch):
+    monkeypatch.setattr(native_step, "THREADS", 2)
+    trainer = Trainer(tiny_config(batch_size=16))
+    step = trainer.native
+    flat = np.concatenate([p.numpy().reshape(-1) for p in trainer.model.parameters()])
+    x_t = batch(0)
+    t = np.zeros(16, np.int32)
+    step.loss_and_gradients(flat, x_t, t, x_t)
+    bad = (x_t[:8], x_t[:8, :, :4], np.ones(8, np.float32), np.zeros((8, 32), np.float32))  # target of another size
+    good = (x_t[:8], x_t[:8], np.ones(8, np.float32), np.zeros((8, 32), np.float32))
+    with pytest.raises(WorkerError, match="a training worker process failed: .*ValueError"):
+        step.workers.run(flat, [good, bad], 16)
+    assert step.workers.processes == []  # stopped
+
+
+@pytest.mark.parametrize("change", [dict(dropout=0.1), dict(var_type="learned_range", loss_type="hybrid"),
+                                    dict(use_scale_shift_norm=True), dict(mean_type="xprev")])
+def test_setups_the_numpy_pass_does_not_implement_train_through_megengine(tiny_config, change):
+    trainer = Trainer(tiny_config(**change))
+    assert trainer.native is None
+    assert Trainer(tiny_config(), world_size=1).native is not None
+    assert native_step.unsupported(trainer._model, trainer.diffusion, world_size=2) is not None
