@@ -1,4 +1,5 @@
-"""compat: MegEngine settings applied at import (worker spin cap, empty DTR candidate list), quietly."""
+"""compat: MegEngine settings applied at import (worker spin cap, empty DTR candidate list, idle event polling),
+quietly."""
 import os
 import subprocess
 import sys
@@ -71,3 +72,21 @@ def test_dtr_candidate_list_stays_empty_whatever_the_import_order():
 def test_a_dtr_threshold_set_by_the_user_is_kept():
     result = run_python(SHOW_DTR, MEGENGINE_DTR_EVICTEE_MINIMUM_SIZE="2048")
     assert result.stdout.split() == ["2048", "2048"]
+
+
+POLICIES = """
+import os
+from megdiffusion.compat import quiet_megengine
+quiet_megengine()
+for tid in sorted(os.listdir("/proc/self/task")):
+    name = open(f"/proc/self/task/{tid}/comm").read().strip()
+    print(name, os.sched_getscheduler(int(tid)) == os.SCHED_IDLE)
+"""
+
+
+def test_megengine_event_polling_runs_on_idle_cores_only_without_a_cuda_driver():
+    """The thread that polls MegEngine's events every 10 us is SCHED_IDLE on CPU-only machines; every other thread
+    keeps its class."""
+    policies = dict(line.rsplit(" ", 1) for line in run_python(POLICIES).stdout.strip().splitlines())
+    assert policies.pop("CompNodeSync") == str(not cuda_driver_loadable())
+    assert set(policies.values()) == {"False"}
