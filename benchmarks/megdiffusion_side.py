@@ -25,6 +25,7 @@ import measurement  # noqa: E402
 from megdiffusion.compat import quiet_megengine  # noqa: E402
 
 mge = quiet_megengine()
+from megdiffusion import native  # noqa: E402
 from megdiffusion.nn import onednn  # noqa: E402
 from megdiffusion.nn.conv import fast_conv_enabled  # noqa: E402
 from megdiffusion.training.config import TrainConfig, build_diffusion, build_model  # noqa: E402
@@ -139,8 +140,10 @@ def check_outputs(work_dir, name, cfg, model):
 
 
 def engine():
-    """What ran megdiffusion's side: MegEngine's version and the convolution kernels of training mode."""
-    return {"megengine": mge.__version__, "fast_conv": fast_conv_enabled(), "onednn": onednn.available()}
+    """What ran megdiffusion's side: MegEngine's version, the convolution kernels, and whether the network runs
+    outside MegEngine (``megdiffusion.native``)."""
+    return {"megengine": mge.__version__, "fast_conv": fast_conv_enabled(), "onednn": onednn.available(),
+            "native": native.enabled()}
 
 
 def train(args):
@@ -153,11 +156,13 @@ def train(args):
 
 
 def ddim(args):
-    """Time one DDIM sampling call (eta 0, x_T from one seed per image) of a ``--batch`` of images."""
+    """Time one DDIM sampling call (eta 0, x_T from one seed per image) of a ``--batch`` of images, with the network
+    ``generation.generate_images`` uses (``native.NativeModel`` on the fast CPU path)."""
     cfg, _, weights = read_prepared(args.work_dir, args.model)
     model, diffusion = build_model(cfg), build_diffusion(cfg)
     model.load_state_dict(weights)
     model.eval()
+    model = native.NativeModel.for_sampling(model)
     shape = (args.batch,) + cfg.image_shape
     model(mge.tensor(np.zeros(shape, np.float32)), mge.tensor(np.zeros(args.batch, np.int32))).numpy()  # untimed
     return measurement.sampling(args, "megdiffusion", lambda: diffusion.sample(

@@ -1,4 +1,4 @@
-"""The training pass outside MegEngine (``nn.numpy_unet``, ``training.native_step``, ``training.group_workers``):
+"""The UNet outside MegEngine (``nn.numpy_unet``, ``native``, ``group_workers``):
 the same outputs, gradients and training steps as MegEngine's autodiff, and bit-identical on any number of
 processes."""
 import os
@@ -12,10 +12,10 @@ from megdiffusion.nn import numpy_unet, onednn
 from megdiffusion.nn.conv import set_fast_conv
 from megdiffusion.nn.layers import timestep_embedding
 from megdiffusion.nn.unet import UNet
-from megdiffusion.training import native_step
+from megdiffusion import native
 from megdiffusion.training import trainer as trainer_module
 from megdiffusion.training.config import build_diffusion, build_model
-from megdiffusion.training.group_workers import WorkerError
+from megdiffusion.group_workers import WorkerError
 from megdiffusion.training.trainer import Trainer
 
 mge = quiet_megengine()
@@ -110,7 +110,7 @@ def test_native_loss_and_gradients_are_training_losses(tiny_config, loss):
         return losses[0]
 
     expected_grads = megengine_gradients(params, mean_loss)
-    step = native_step.NativeStep(model, diffusion, params)
+    step = native.NativeStep(model, diffusion, params)
     flat = np.concatenate([p.numpy().reshape(-1) for p in params])
     loss_value, gradient = step.loss_and_gradients(flat, x0, t, noise)
     assert loss_value == pytest.approx(float(losses[0].numpy()), rel=1e-5)
@@ -135,29 +135,30 @@ def test_native_steps_are_megengine_steps(tiny_config, monkeypatch):
     update): the same losses, gradient norms and weights up to float32 rounding."""
     monkeypatch.setattr(trainer_module, "fast_conv_enabled", lambda: True)
     cfg = tiny_config(batch_size=16, channel_mult=(1, 2), attention_resolutions=(4,), norm_groups=4, lr=1e-3)
-    native, autodiff = Trainer(cfg), Trainer(cfg)
-    autodiff.native = None
-    assert native.native is not None
+    numpy_run, autodiff = Trainer(cfg), Trainer(cfg)
+    autodiff.native_step = None
+    assert numpy_run.native_step is not None
     for k in range(3):
-        got, expected = native.step(batch(k)), autodiff.step(batch(k))
+        got, expected = numpy_run.step(batch(k)), autodiff.step(batch(k))
         assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
         assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
-    for a, b in zip(full_state(native), full_state(autodiff)):
+    for a, b in zip(full_state(numpy_run), full_state(autodiff)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-    native.native.workers.close()
+    numpy_run.native_step.workers.close()
 
 
 def test_native_steps_do_not_depend_on_the_number_of_processes(tiny_config, monkeypatch):
+    """Three groups of 8 on one, two and three processes, with dropout: the same run, bit for bit."""
     monkeypatch.setattr(trainer_module, "fast_conv_enabled", lambda: True)
     states = []
     for cores in (1, 2, 3):
-        monkeypatch.setattr(native_step, "THREADS", cores)
-        trainer = Trainer(tiny_config(batch_size=24))
+        monkeypatch.setattr(native, "THREADS", cores)
+        trainer = Trainer(tiny_config(batch_size=24, dropout=0.3))
         for k in range(2):
             trainer.step(batch(k, 24))
-        assert len(trainer.native.workers.processes) == cores - 1
+        assert len(trainer.native_step.workers.processes) == cores - 1
         states.append(full_state(trainer))
-        trainer.native.workers.close()
+        trainer.native_step.workers.close()
     for other in states[1:]:
         for a, b in zip(states[0], other):
             np.testing.assert_array_equal(a, b)
@@ -165,10 +166,10 @@ def test_native_steps_do_not_depend_on_the_number_of_processes(tiny_config, monk
 
 def test_a_dead_worker_is_one_clear_error(tiny_config, monkeypatch):
     monkeypatch.setattr(trainer_module, "fast_conv_enabled", lambda: True)
-    monkeypatch.setattr(native_step, "THREADS", 2)
+    monkeypatch.setattr(native, "THREADS", 2)
     trainer = Trainer(tiny_config(batch_size=16))
     trainer.step(batch(0))
-    [process] = trainer.native.workers.processes
+    [process] = trainer.native_step.workers.processes
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
     with pytest.raises(WorkerError, match=rf"pid {process.pid}\) died, exit code -9"):
@@ -176,24 +177,45 @@ def test_a_dead_worker_is_one_clear_error(tiny_config, monkeypatch):
 
 
 def test_an_error_in_a_worker_is_raised_by_the_caller(tiny_config, monkeypatch):
-    monkeypatch.setattr(native_step, "THREADS", 2)
+    monkeypatch.setattr(native, "THREADS", 2)
     trainer = Trainer(tiny_config(batch_size=16))
-    step = trainer.native
+    step = trainer.native_step
     flat = np.concatenate([p.numpy().reshape(-1) for p in trainer.model.parameters()])
     x_t = batch(0)
     t = np.zeros(16, np.int32)
     step.loss_and_gradients(flat, x_t, t, x_t)
-    bad = (x_t[:8], x_t[:8, :, :4], np.ones(8, np.float32), np.zeros((8, 32), np.float32))  # target of another size
-    good = (x_t[:8], x_t[:8], np.ones(8, np.float32), np.zeros((8, 32), np.float32))
+    bad = (x_t[:8], x_t[:8, :, :4], np.ones(8, np.float32), np.zeros((8, 32), np.float32), 0)  # wrong target size
+    good = (x_t[:8], x_t[:8], np.ones(8, np.float32), np.zeros((8, 32), np.float32), 0)
     with pytest.raises(WorkerError, match="a training worker process failed: .*ValueError"):
-        step.workers.run(flat, [good, bad], 16)
+        step.workers.gradients(flat, [good, bad], 16)
     assert step.workers.processes == []  # stopped
 
 
-@pytest.mark.parametrize("change", [dict(dropout=0.1), dict(var_type="learned_range", loss_type="hybrid"),
+@pytest.mark.parametrize("change", [dict(var_type="learned_range", loss_type="hybrid"),
                                     dict(use_scale_shift_norm=True), dict(mean_type="xprev")])
 def test_setups_the_numpy_pass_does_not_implement_train_through_megengine(tiny_config, change):
     trainer = Trainer(tiny_config(**change))
-    assert trainer.native is None
-    assert Trainer(tiny_config(), world_size=1).native is not None
-    assert native_step.unsupported(trainer._model, trainer.diffusion, world_size=2) is not None
+    assert trainer.native_step is None
+    assert Trainer(tiny_config(), world_size=1).native_step is not None
+    assert native.unsupported(trainer._model, trainer.diffusion, world_size=2) is not None
+
+
+def test_dropout_keeps_each_value_with_probability_one_minus_the_rate_and_scales_it():
+    layers = numpy_unet._Layers([], [], np.random.default_rng(0))
+    x = np.ones((4, 16, 16, 64), np.float32)
+    y, backward = layers.dropout(0.25, x)
+    kept = y != 0
+    assert abs(kept.mean() - 0.75) < 0.01
+    np.testing.assert_allclose(y[kept], 1 / 0.75)
+    np.testing.assert_array_equal(backward(2 * x), 2 * y)  # the same mask backward
+    assert numpy_unet._Layers([], [], None).dropout(0.25, x)[0] is x  # eval mode: none
+
+
+def test_dropout_masks_come_from_the_step_seed(tiny_config, monkeypatch):
+    """With dropout, a native run is deterministic given the seed, and the masks change the gradients."""
+    monkeypatch.setattr(trainer_module, "fast_conv_enabled", lambda: True)
+    norms = []
+    for dropout in (0.3, 0.3, 0.0):
+        trainer = Trainer(tiny_config(dropout=dropout))
+        norms.append([trainer.step(batch(k, 8))["grad_norm"] for k in range(2)])
+    assert norms[0] == norms[1] and norms[0][0] != norms[2][0] and norms[0][1] != norms[2][1]

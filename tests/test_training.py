@@ -8,7 +8,8 @@ from megdiffusion import batch_threads
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.data.loader import BatchLoader
 from megdiffusion.training import checkpoint as ckpt
-from megdiffusion.training import distributed, native_step
+from megdiffusion import native
+from megdiffusion.training import distributed
 from megdiffusion.training import trainer as trainer_module
 from megdiffusion.training.flat_update import FlatUpdateError
 from megdiffusion.training.trainer import NonFiniteLossError, Trainer, ema_decay_at, warmup_lr
@@ -56,7 +57,7 @@ def update_path(request, monkeypatch):
     """Run the test with clipping, Adam and the EMA on MegEngine (as with native convolutions or a GPU), in numpy
     (``flat_update``) after MegEngine's autodiff, and after the numpy pass (``native_step``, the fast CPU path)."""
     monkeypatch.setattr(trainer_module, "fast_conv_enabled", lambda: request.param != "megengine")
-    monkeypatch.setenv(native_step.ENV_VAR, "1" if request.param == "native" else "0")
+    monkeypatch.setenv(native.ENV_VAR, "1" if request.param == "native" else "0")
     return request.param
 
 
@@ -193,7 +194,7 @@ def use_flat_update(monkeypatch, flat):
     """Clipping, Adam and the EMA in numpy (``flat_update``) after MegEngine's autodiff from the next step on, or
     on MegEngine."""
     monkeypatch.setattr(trainer_module, "fast_conv_enabled", lambda: flat)
-    monkeypatch.setenv(native_step.ENV_VAR, "0")
+    monkeypatch.setenv(native.ENV_VAR, "0")
 
 
 def same_state(trainer, other):

@@ -49,15 +49,12 @@ _SKIP = object()
 
 
 def unsupported(model):
-    """Why this pass cannot train ``model`` (a ``describe``d UNet; one phrase), or None when it can."""
+    """Why this pass cannot run ``model`` (a ``describe``d UNet; one phrase), or None when it can."""
     if not onednn.available():
         return "oneDNN is not available"
     blocks = [block for level in model.down + model.up for block in level.blocks]
-    blocks += [model.mid_block1, model.mid_block2]
-    if any(block.scale_shift for block in blocks):
+    if any(block.scale_shift for block in blocks + [model.mid_block1, model.mid_block2]):
         return "use_scale_shift_norm is not implemented"
-    if any(block.dropout.drop_prob > 0 for block in blocks):
-        return "dropout needs MegEngine's random generator"
     return None
 
 
@@ -67,10 +64,10 @@ def _serial(count, work):
 
 class _Layers:
     """The layer functions of one group's pass on NHWC arrays: each returns (output, backward), backward(dy) -> dx,
-    adding parameter gradients into ``grads``."""
+    adding parameter gradients into ``grads``. Dropout draws from ``rng`` (None: eval mode, no dropout)."""
 
-    def __init__(self, weights, grads):
-        self.weights, self.grads = weights, grads
+    def __init__(self, weights, grads, rng):
+        self.weights, self.grads, self.rng = weights, grads, rng
 
     def w(self, param):
         return self.weights[param]
@@ -184,17 +181,25 @@ class _Layers:
         h, back2 = self.conv(block.conv1, h)
         emb, back3 = self.linear(block.temb_proj, temb_act)
         h, back4 = self.norm_silu(block.norm2, h + emb[:, None, None, :])
+        h, dropout_back = self.dropout(block.dropout.drop_prob, h)
         h, back5 = self.conv(block.conv2, h)
         skip, back6 = self.conv(block.skip, x) if block.skip is not None else (x, None)
 
         def backward(dy):
-            dh = back4(back5(dy))
+            dh = back4(dropout_back(back5(dy)))
             dtemb = back3(dh.sum(axis=(1, 2)))
             dx = back1(back2(dh))
             dx += dy if back6 is None else back6(dy)
             return dx, dtemb
 
         return skip + h, backward
+
+    def dropout(self, rate, x):
+        """Inverted dropout: each value kept with probability 1 - ``rate`` and scaled by 1 / (1 - rate)."""
+        if self.rng is None or rate == 0:
+            return x, lambda dy: dy
+        scaled_mask = (self.rng.random(x.shape, dtype=np.float32) >= rate) * np.float32(1.0 / (1.0 - rate))
+        return x * scaled_mask, lambda dy: dy * scaled_mask
 
     def attention(self, attn, x):
         """``AttnBlock`` on x."""
@@ -257,11 +262,12 @@ class _Layers:
         return self.conv(module.conv, x, bottom_right=module.bottom_right)
 
 
-def unet_forward(model, weights, grads, x, temb_in):
+def unet_forward(model, weights, grads, x, temb_in, rng=None):
     """The output of ``model`` (a ``describe``d UNet) on x (N, H, W, C: channels last, as the output) given the
     sinusoidal embedding ``temb_in`` (N, model_channels) of its timesteps: (output, backward); backward(d output)
-    adds every parameter's gradient into ``grads``."""
-    layers = _Layers(weights, grads)
+    adds every parameter's gradient into ``grads``. Training mode draws dropout masks from ``rng``; eval mode
+    (``rng`` None) has none."""
+    layers = _Layers(weights, grads, rng)
     a, dense0_back = layers.linear(model.temb_dense0, temb_in)
     a, silu0_back = layers.silu(a)
     temb, dense1_back = layers.linear(model.temb_dense1, a)
@@ -329,13 +335,21 @@ def unet_forward(model, weights, grads, x, temb_in):
     return out, backward
 
 
-def group_loss_and_gradients(model, weights, grads, x_t, target, mse_weight, temb_in, batch_size):
+def group_loss_and_gradients(model, weights, grads, x_t, target, mse_weight, temb_in, dropout_seed, batch_size):
     """One group's share of the training loss: the sum over its samples of ``mse_weight`` times the mean squared
-    error between ``model``'s output at (x_t, temb_in) and ``target`` (both NCHW); the gradients of that sum divided
-    by ``batch_size`` (the group's share of the batch mean) are added into ``grads``."""
-    out, backward = unet_forward(model, weights, grads, np.ascontiguousarray(x_t.transpose(0, 2, 3, 1)), temb_in)
+    error between ``model``'s output at (x_t, temb_in) in training mode (dropout from
+    ``np.random.default_rng(dropout_seed)``) and ``target`` (both NCHW); the gradients of that sum divided by
+    ``batch_size`` (the group's share of the batch mean) are added into ``grads``."""
+    out, backward = unet_forward(model, weights, grads, np.ascontiguousarray(x_t.transpose(0, 2, 3, 1)), temb_in,
+                                 np.random.default_rng(dropout_seed))
     diff = out - target.transpose(0, 2, 3, 1)
     loss = float(np.sum(np.mean(np.square(diff, dtype=np.float64), axis=(1, 2, 3)) * mse_weight))
     diff *= mse_weight.reshape(-1, 1, 1, 1) * np.float32(2.0 / (batch_size * diff[0].size))
     backward(diff)
     return loss
+
+
+def unet_output(model, weights, x, temb_in):
+    """``model``'s output on x (NCHW) given ``temb_in``, NCHW: an eval-mode call."""
+    out, _ = unet_forward(model, weights, None, np.ascontiguousarray(x.transpose(0, 2, 3, 1)), temb_in)
+    return np.ascontiguousarray(out.transpose(0, 3, 1, 2))

@@ -19,7 +19,8 @@ from megdiffusion.fileio import output_directory
 from megdiffusion.images import save_png
 from megdiffusion.nn.conv import fast_conv_enabled
 from megdiffusion.training import checkpoint as ckpt
-from megdiffusion.training import distributed, native_step
+from megdiffusion import native
+from megdiffusion.training import distributed
 from megdiffusion.training.config import TrainConfig, build_diffusion, build_model
 from megdiffusion.training.flat_update import FlatUpdate
 from megdiffusion.training.outputs import RUN_MARKER, RunLogger, grid_path, sample_grid, write_run_files
@@ -59,8 +60,9 @@ class Trainer:
     """Model, EMA copy, diffusion, Adam and the step count; ``step(x0)`` does one optimizer update.
 
     On the fast CPU path (``megdiffusion.nn.conv.fast_conv_enabled()``) the loss and gradients are computed in
-    numpy and oneDNN (``native``, a ``native_step.NativeStep``; None where it does not implement the setup, e.g.
-    dropout or a learned variance: MegEngine's autodiff then computes them), and clipping, Adam and the EMA run in
+    numpy and oneDNN (``native_step``, a ``native.NativeStep``; None where it does not implement the setup, e.g.
+    a learned variance: MegEngine's autodiff then computes them; dropout masks then come from numpy's generator,
+    seeded per step like MegEngine's), and clipping, Adam and the EMA run in
     numpy on flat buffers (``flat_update.FlatUpdate``) that hold the weights, the EMA weights and Adam's state between
     steps. Reading ``model``, ``ema`` or ``optimizer`` writes that state back into these MegEngine objects
     first, which then hold it (they may be read or changed, e.g. by ``checkpoint.restore``) until the next
@@ -84,9 +86,9 @@ class Trainer:
             self.params, callbacks=distributed.allreduce_mean_callbacks(world_size))
         self._optimizer = Adam(self.params, lr=config.lr)
         self._flat = None  # the FlatUpdate holding the EMA and Adam's state, between fast steps
-        # The whole step in numpy on the fast path (``native_step``), where it implements the setup.
-        supported = native_step.unsupported(self._model, self.diffusion, world_size) is None
-        self.native = native_step.NativeStep(self._model, self.diffusion, self.params) if supported else None
+        # The whole step in numpy on the fast path (``megdiffusion.native``), where it implements the setup.
+        supported = native.unsupported(self._model, self.diffusion, world_size) is None
+        self.native_step = native.NativeStep(self._model, self.diffusion, self.params) if supported else None
         self.step_count = 0
 
     @property
@@ -129,26 +131,28 @@ class Trainer:
         rng = step_rng(cfg.seed, self.rank, self.step_count)
         t = rng.integers(0, self.diffusion.num_timesteps, size=len(x0)).astype(np.int32)
         noise = rng.standard_normal(x0.shape, dtype=np.float32)
-        mge.random.seed(int(rng.integers(2 ** 31)))
+        dropout_seed = int(rng.integers(2 ** 31))
+        mge.random.seed(dropout_seed)
         lr = warmup_lr(cfg, self.step_count)
         for group in self._optimizer.param_groups:
             group["lr"] = lr
         self._model.train()
         # With clipping off, an infinite bound leaves the gradients untouched (scale min(inf, 1) = 1).
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        native = self.native is not None and fast_conv_enabled() and native_step.enabled()
-        if native:
+        on_native = self.native_step is not None and fast_conv_enabled() and native.enabled()
+        if on_native:
             flat_update = self._flat_update()
-            loss, flat_update.grad = self.native.loss_and_gradients(flat_update.param, x0, t, noise)
+            loss, flat_update.grad = self.native_step.loss_and_gradients(flat_update.param, x0, t, noise,
+                                                                         dropout_seed)
         else:
             with self.grad_manager:
                 loss = self.diffusion.training_losses(self._model, mge.tensor(x0), mge.tensor(t),
                                                       mge.tensor(noise))["loss"].mean()
                 self.grad_manager.backward(loss)
             loss = loss.item()
-        flat = native or (fast_conv_enabled() and all(p.grad is not None for p in self.params))
+        flat = on_native or (fast_conv_enabled() and all(p.grad is not None for p in self.params))
         if flat:
-            if not native:
+            if not on_native:
                 self._flat_update().gather_gradients()
             grad_norm = self._flat.gradient_norm()
         else:

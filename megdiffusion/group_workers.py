@@ -1,7 +1,8 @@
-"""Worker processes that compute groups of a training batch (the fast CPU path of ``Trainer.step``).
+"""Worker processes that compute groups of a batch through ``nn.numpy_unet`` (``megdiffusion.native``): the loss
+and gradients of a training step, or the output of an eval-mode call.
 
-A batch is cut into groups of a fixed size (``native_step.GROUP``); group g runs on process g mod P, process 0
-being the caller, where P is at most one per core. Processes rather than threads: numpy's many small operations
+A batch is cut into groups of a fixed size (``native.GROUP``); group g runs on process g mod P, process 0 being
+the caller, where P is at most one per core. Processes rather than threads: numpy's many small operations
 hand the GIL to each other, and two threads ran a step only 1.1-1.2x faster than one, where two processes run
 two groups in the time of one. Each group's arithmetic is the same in any process, and the caller sums the
 groups' gradients in group order, so results are bit-identical for any number of processes.
@@ -66,7 +67,7 @@ class GroupWorkers:
                    PYTHONPATH=os.pathsep.join([package_root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
         for _ in range(count):
             ours, theirs = socket.socketpair()
-            code = f"from megdiffusion.training.group_workers import serve; serve({theirs.fileno()})"
+            code = f"from megdiffusion.group_workers import serve; serve({theirs.fileno()})"
             process = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=env,
                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
             theirs.close()
@@ -117,36 +118,53 @@ class GroupWorkers:
             os.unlink(weights_path)
             os.unlink(grads_path)
 
-    def run(self, flat_weights, groups, batch_size):
-        """[(loss, flat gradient)] of each group in ``groups`` ([(x_t, target, mse_weight, temb_in)]) at the weights
-        ``flat_weights``: ``numpy_unet.group_loss_and_gradients`` of each, in group order."""
+    def gradients(self, flat_weights, groups, batch_size):
+        """[(loss, flat gradient)] of each group in ``groups`` ([(x_t, target, mse_weight, temb_in, dropout seed)])
+        at the weights ``flat_weights``: ``numpy_unet.group_loss_and_gradients`` of each, in group order."""
+        return self._map("gradients", flat_weights, groups, batch_size)
+
+    def outputs(self, flat_weights, groups):
+        """The network's output (NCHW) for each group in ``groups`` ([(x NCHW, temb_in)]) at ``flat_weights``."""
+        return self._map("outputs", flat_weights, groups)
+
+    def _map(self, kind, flat_weights, groups, *args):
         processes = min(len(self.connections) + 1, len(groups))
-        jobs = [[] for _ in range(processes)]  # per process: (group index, slot)
-        for index in range(len(groups)):
-            jobs[index % processes].append(index)
+        jobs = [list(range(p, len(groups), processes)) for p in range(processes)]
         remote = [index for job in jobs[1:] for index in job]
+        slot = {index: i for i, index in enumerate(remote)}
         if remote:
-            if self.grads is None or len(self.grads) < len(remote):
-                self._map_buffers(len(remote))
+            slots = len(remote) if kind == "gradients" else 0
+            if self.grads is None or len(self.grads) < slots:
+                self._map_buffers(slots)
             np.copyto(self.weights, flat_weights)
-            slot = {index: i for i, index in enumerate(remote)}
             for connection, job in zip(self.connections, jobs[1:]):
-                self._send(connection, ("groups", batch_size, [(slot[i],) + tuple(groups[i]) for i in job]))
-        while len(self.local_grads) < len(jobs[0]):
-            self.local_grads.append(np.empty(self.total, np.float32))
+                self._send(connection, (kind, [(slot[i], groups[i]) for i in job]) + args)
         weights = _views(flat_weights, self.shapes)
         results = {}
         with one_blas_thread():
-            for buffer, index in zip(self.local_grads, jobs[0]):
-                buffer.fill(0)
-                loss = numpy_unet.group_loss_and_gradients(self.model, weights, _views(buffer, self.shapes),
-                                                           *groups[index], batch_size)
-                results[index] = (loss, buffer)
+            for position, index in enumerate(jobs[0]):
+                buffer = self._local_buffer(position) if kind == "gradients" else None
+                result = _compute(kind, self.model, weights, buffer, self.shapes, groups[index], *args)
+                results[index] = result if buffer is None else (result, buffer)
         for connection, job in zip(self.connections, jobs[1:]):
-            for index, loss in zip(job, self._receive(connection)):
-                results[index] = (loss, self.grads[slot[index]])
+            for index, result in zip(job, self._receive(connection)):
+                results[index] = (result, self.grads[slot[index]]) if kind == "gradients" else result
         return [results[index] for index in range(len(groups))]
 
+
+    def _local_buffer(self, position):
+        """The caller's gradient buffer number ``position``, kept between steps (fresh pages cost more than zeros)."""
+        while len(self.local_grads) <= position:
+            self.local_grads.append(np.empty(self.total, np.float32))
+        return self.local_grads[position]
+
+
+def _compute(kind, model, weights, grads, shapes, inputs, *args):
+    """One group's job in any process: its loss, with its gradients in the flat array ``grads``, or its output."""
+    if kind == "gradients":
+        grads.fill(0)
+        return numpy_unet.group_loss_and_gradients(model, weights, _views(grads, shapes), *inputs, *args)
+    return numpy_unet.unet_output(model, weights, *inputs)
 
 
 def _stop(connections, processes):
@@ -164,7 +182,7 @@ def _stop(connections, processes):
 
 def serve(fd):
     """A worker's loop on the socket ``fd``: messages ("model", model, shapes), ("buffers", weights path, gradients
-    path, slots) and ("groups", batch size, [(slot, x_t, target, mse_weight, temb_in)]); each answered with
+    path, slots), ("gradients", [(slot, inputs)], batch size) and ("outputs", [(slot, inputs)]); each answered with
     ("ok", result) or ("error", the exception in one line; its traceback goes to stderr)."""
     connection = Connection(fd)
     model = shapes = weights = grads = None
@@ -175,23 +193,18 @@ def serve(fd):
             return
         try:
             kind = message[0]
+            result = None
             if kind == "model":
                 _, model, shapes = message
-                result = None
             elif kind == "buffers":
                 _, weights_path, grads_path, slots = message
                 total = int(sum(np.prod(shape) for shape in shapes))
                 weights = _views(np.memmap(weights_path, np.float32, "r", shape=(max(total, 1),))[:total], shapes)
                 grads = np.memmap(grads_path, np.float32, "r+", shape=(max(slots * total, 1),))
                 grads = grads[:slots * total].reshape(slots, total)
-                result = None
             else:
-                _, batch_size, jobs = message
-                result = []
-                for slot, *inputs in jobs:
-                    grads[slot].fill(0)
-                    result.append(numpy_unet.group_loss_and_gradients(model, weights, _views(grads[slot], shapes),
-                                                                      *inputs, batch_size))
+                result = [_compute(kind, model, weights, grads[slot] if kind == "gradients" else None, shapes,
+                                   inputs, *message[2:]) for slot, inputs in message[1]]
             connection.send(("ok", result))
         except Exception as error:  # noqa: BLE001 - the caller raises it
             traceback.print_exc()

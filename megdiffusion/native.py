@@ -1,0 +1,119 @@
+"""The UNet outside MegEngine on the fast CPU path: training steps (``NativeStep``, in ``Trainer.step``) and
+eval-mode calls (``NativeModel``, in ``generation.generate_images``).
+
+The batch is cut into fixed groups of ``GROUP`` samples; each group's pass (``nn.numpy_unet``) runs in the calling
+process or in a worker process (``group_workers``, one process per core), and the groups' gradients are summed in
+group order, so results are bit-identical on any core count. The training loss is
+``GaussianDiffusion.training_losses``' for a fixed variance: the mse between the model's output and its target (the
+noise, or x_0), weighted per timestep (``mse_weight``: 1, or Min-SNR's), averaged over the batch.
+``MEGDIFFUSION_NATIVE_STEP=0`` turns both off: MegEngine then runs the network (with the fast convolutions).
+"""
+import os
+
+import numpy as np
+
+from megdiffusion.batch_threads import THREADS
+from megdiffusion.compat import quiet_megengine
+from megdiffusion.group_workers import GroupWorkers
+from megdiffusion.nn import numpy_unet
+from megdiffusion.nn.conv import fast_conv_enabled
+from megdiffusion.nn.layers import timestep_embedding
+
+mge = quiet_megengine()
+
+GROUP = 8  # samples per forward and backward pass (the unit of determinism)
+ENV_VAR = "MEGDIFFUSION_NATIVE_STEP"
+
+
+def enabled():
+    """Whether the next call may run here: the fast CPU path (``nn.conv.fast_conv_enabled``), and
+    ``MEGDIFFUSION_NATIVE_STEP`` is not 0."""
+    return fast_conv_enabled() and os.environ.get(ENV_VAR, "1").strip() != "0"
+
+
+def unsupported(model, diffusion, world_size):
+    """Why ``NativeStep`` cannot train this setup (one phrase), or None when it can."""
+    if world_size > 1:
+        return "gradients are averaged across processes by MegEngine"
+    if diffusion.learns_variance:
+        return "a learned variance is not implemented"
+    if diffusion.mean_type not in ("eps", "xstart"):
+        return f"mean_type {diffusion.mean_type!r} is not implemented"
+    return numpy_unet.unsupported(numpy_unet.describe(model, list(model.parameters())))
+
+
+def _groups(n):
+    return [slice(start, start + GROUP) for start in range(0, n, GROUP)]
+
+
+def _workers(model, shapes, groups):
+    """A ``GroupWorkers`` with as many processes as the cores and the groups allow."""
+    return GroupWorkers(model, shapes, min(THREADS, groups) - 1)
+
+
+class NativeStep:
+    """``loss_and_gradients`` of ``model`` (a ``UNet``) under ``diffusion``, its parameters in ``params`` order.
+    Worker processes start at the first batch of more than one group."""
+
+    def __init__(self, model, diffusion, params):
+        self.model = numpy_unet.describe(model, params)
+        self.diffusion = diffusion
+        self.shapes = [tuple(p.shape) for p in params]
+        self.coefficients = {name: getattr(diffusion, name).astype(np.float32) for name in
+                             ("sqrt_alphas_cumprod", "sqrt_one_minus_alphas_cumprod", "mse_weight")}
+        self.workers = None
+
+    def loss_and_gradients(self, flat_weights, x0, t, noise, dropout_seed=0):
+        """(loss, flat gradient) for the batch x0 at timesteps ``t`` (int, (N,)) with ``noise``; ``flat_weights``:
+        the parameters' current values, one after the other in ``params`` order. Group g draws its dropout masks from
+        ``np.random.default_rng([dropout_seed, g])``."""
+        coef = {name: values[t] for name, values in self.coefficients.items()}
+        x_t = (coef["sqrt_alphas_cumprod"].reshape(-1, 1, 1, 1) * x0
+               + coef["sqrt_one_minus_alphas_cumprod"].reshape(-1, 1, 1, 1) * noise)
+        target = noise if self.diffusion.mean_type == "eps" else x0
+        temb_in = timestep_embedding(self.diffusion.model_timesteps(t), self.model.model_channels,
+                                     self.model.time_embedding).numpy()
+        groups = [(x_t[p], target[p], coef["mse_weight"][p], temb_in[p], [dropout_seed, g])
+                  for g, p in enumerate(_groups(len(x0)))]
+        if self.workers is None:
+            self.workers = _workers(self.model, self.shapes, len(groups))
+        results = self.workers.gradients(flat_weights, groups, len(x0))
+        gradient = results[0][1].copy()
+        for _, flat in results[1:]:
+            gradient += flat
+        return sum(loss for loss, _ in results) / len(x0), gradient
+
+
+class NativeModel:
+    """``model`` (a ``UNet``) in eval mode, called like it (``native_model(x, t)``, MegEngine tensors in and out) and
+    computed by ``nn.numpy_unet``, with the weights ``model`` had when this was made. ``for_sampling`` says when
+    to use one; ``close()`` stops its worker processes."""
+
+    def __init__(self, model):
+        params = list(model.parameters())
+        self.model = numpy_unet.describe(model, params)
+        self.shapes = [tuple(p.shape) for p in params]
+        self.weights = np.concatenate([p.numpy().reshape(-1) for p in params])
+        self.workers = None
+
+    @staticmethod
+    def for_sampling(model):
+        """A ``NativeModel`` of ``model`` where it runs (a UNet, on the fast CPU path), else ``model`` itself."""
+        from megdiffusion.nn.unet import UNet
+
+        if not (isinstance(model, UNet) and enabled()):
+            return model
+        native = NativeModel(model)
+        return model if numpy_unet.unsupported(native.model) else native
+
+    def __call__(self, x, t):
+        x = x.numpy()
+        temb_in = timestep_embedding(t, self.model.model_channels, self.model.time_embedding).numpy()
+        groups = [(x[p], temb_in[p]) for p in _groups(len(x))]
+        if self.workers is None:
+            self.workers = _workers(self.model, self.shapes, len(groups))
+        return mge.tensor(np.concatenate(self.workers.outputs(self.weights, groups)))
+
+    def close(self):
+        if self.workers is not None:
+            self.workers.close()
