@@ -68,8 +68,10 @@ class GroupWorkers:
         for _ in range(count):
             ours, theirs = socket.socketpair()
             code = f"from megdiffusion.group_workers import serve; serve({theirs.fileno()})"
+            # A session of its own: a terminal's Ctrl-C (or a signal to the caller's process group) reaches only the
+            # caller, which finishes its step and saves a checkpoint; workers exit when their socket closes.
             process = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=env,
-                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
             theirs.close()
             self.processes.append(process)
             self.connections.append(Connection(ours.detach()))

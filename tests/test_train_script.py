@@ -90,19 +90,26 @@ def test_exact_resume_in_a_new_process(tiny_model_flags, tmp_path, npz_data, rec
     assert losses(split) == losses(straight)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_saves_a_loadable_checkpoint_then_exits_128_plus_it(tiny_model_flags, tmp_path, npz_data, signum):
+@pytest.mark.parametrize("signum, to_group", [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)],
+                         ids=["SIGINT", "SIGTERM", "SIGINT-to-group"])
+def test_a_signal_saves_a_loadable_checkpoint_then_exits_128_plus_it(tiny_model_flags, tmp_path, npz_data, signum,
+                                                                   to_group):
+    """To the process, or as a terminal's Ctrl-C does, to its process group (batch 16: a worker process runs half
+    of each step, and must not die before the step and its checkpoint are done)."""
     logdir = tmp_path / "run"
-    args = ["--dataset=npz", f"--data_path={npz_data}", *tiny_model_flags, "--batch_size=8",
+    args = ["--dataset=npz", f"--data_path={npz_data}", *tiny_model_flags, f"--batch_size={16 if to_group else 8}",
             "--total_steps=100000", "--sample_every=0", "--save_every=0", "--log_every=1", f"--logdir={logdir}"]
     proc = subprocess.Popen([sys.executable, "-m", "megdiffusion.scripts.train", *args], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=to_group)
     metrics = logdir / "metrics.jsonl"
     deadline = time.time() + 120
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
         assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "timeout"
         time.sleep(0.2)
-    proc.send_signal(signum)
+    if to_group:
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signum, stderr  # so that `train && sample` stops here
     line = stderr.strip().splitlines()[-1]
