@@ -9,7 +9,7 @@ import pytest
 
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.nn import numpy_unet, onednn
-from megdiffusion.nn.conv import set_fast_conv
+from megdiffusion.nn.conv import fast_conv_enabled, set_fast_conv
 from megdiffusion.nn.layers import timestep_embedding
 from megdiffusion.nn.unet import UNet
 from megdiffusion import native
@@ -43,6 +43,7 @@ def randomised(model, seed=0):
 
 def megengine_gradients(params, loss):
     """The gradients of ``loss()`` with respect to ``params`` by MegEngine's autodiff and native kernels."""
+    previous = fast_conv_enabled()
     set_fast_conv(False)
     try:
         grad_manager = GradManager().attach(params)
@@ -50,7 +51,14 @@ def megengine_gradients(params, loss):
             grad_manager.backward(loss())
         return [p.grad.numpy() for p in params]
     finally:
-        set_fast_conv(None)
+        set_fast_conv(previous)
+
+
+@pytest.fixture
+def fast_path(monkeypatch):
+    """The fast CPU path for ``Trainer`` and ``native``, also under ``MEGDIFFUSION_FAST_CONV=0``."""
+    monkeypatch.setattr(trainer_module, "fast_conv_enabled", lambda: True)
+    monkeypatch.setattr(native, "fast_conv_enabled", lambda: True)
 
 
 def assert_gradients_close(got, expected):
@@ -130,10 +138,9 @@ def batch(seed, n=16):
     return np.random.default_rng(seed).uniform(-1, 1, (n, 1, 8, 8)).astype(np.float32)
 
 
-def test_native_steps_are_megengine_steps(tiny_config, monkeypatch):
+def test_native_steps_are_megengine_steps(tiny_config, fast_path):
     """Three Trainer steps of batch 16 through the numpy pass and through MegEngine's autodiff (both with the numpy
     update): the same losses, gradient norms and weights up to float32 rounding."""
-    monkeypatch.setattr(trainer_module, "fast_conv_enabled", lambda: True)
     cfg = tiny_config(batch_size=16, channel_mult=(1, 2), attention_resolutions=(4,), norm_groups=4, lr=1e-3)
     numpy_run, autodiff = Trainer(cfg), Trainer(cfg)
     autodiff.native_step = None
@@ -147,9 +154,8 @@ def test_native_steps_are_megengine_steps(tiny_config, monkeypatch):
     numpy_run.native_step.workers.close()
 
 
-def test_native_steps_do_not_depend_on_the_number_of_processes(tiny_config, monkeypatch):
+def test_native_steps_do_not_depend_on_the_number_of_processes(tiny_config, monkeypatch, fast_path):
     """Three groups of 8 on one, two and three processes, with dropout: the same run, bit for bit."""
-    monkeypatch.setattr(trainer_module, "fast_conv_enabled", lambda: True)
     states = []
     for cores in (1, 2, 3):
         monkeypatch.setattr(native, "THREADS", cores)
@@ -164,8 +170,7 @@ def test_native_steps_do_not_depend_on_the_number_of_processes(tiny_config, monk
             np.testing.assert_array_equal(a, b)
 
 
-def test_a_dead_worker_is_one_clear_error(tiny_config, monkeypatch):
-    monkeypatch.setattr(trainer_module, "fast_conv_enabled", lambda: True)
+def test_a_dead_worker_is_one_clear_error(tiny_config, monkeypatch, fast_path):
     monkeypatch.setattr(native, "THREADS", 2)
     trainer = Trainer(tiny_config(batch_size=16))
     trainer.step(batch(0))
@@ -176,7 +181,7 @@ def test_a_dead_worker_is_one_clear_error(tiny_config, monkeypatch):
         trainer.step(batch(1))
 
 
-def test_an_error_in_a_worker_is_raised_by_the_caller(tiny_config, monkeypatch):
+def test_an_error_in_a_worker_is_raised_by_the_caller(tiny_config, monkeypatch, fast_path):
     monkeypatch.setattr(native, "THREADS", 2)
     trainer = Trainer(tiny_config(batch_size=16))
     step = trainer.native_step
@@ -211,9 +216,8 @@ def test_dropout_keeps_each_value_with_probability_one_minus_the_rate_and_scales
     assert numpy_unet._Layers([], [], None).dropout(0.25, x)[0] is x  # eval mode: none
 
 
-def test_dropout_masks_come_from_the_step_seed(tiny_config, monkeypatch):
+def test_dropout_masks_come_from_the_step_seed(tiny_config, fast_path):
     """With dropout, a native run is deterministic given the seed, and the masks change the gradients."""
-    monkeypatch.setattr(trainer_module, "fast_conv_enabled", lambda: True)
     norms = []
     for dropout in (0.3, 0.3, 0.0):
         trainer = Trainer(tiny_config(dropout=dropout))
