@@ -37,26 +37,22 @@ def for_batch_chunks(n, work, max_chunk=None):
     One chunk per thread (fewer for small batches), each of at most ``max_chunk`` samples when given
     (to bound temporary buffers). An exception raised by any chunk is raised here.
     """
+    global _pool
     size = -(-n // THREADS)
     if max_chunk is not None:
         size = max(1, min(size, max_chunk))
     chunks = [slice(start, min(start + size, n)) for start in range(0, n, size)]
-    for_each_on_threads(work, chunks)
-
-
-def for_each_on_threads(work, items):
-    """Call ``work(item)`` for every item, in parallel on ``THREADS`` threads, BLAS at one thread; returns the
-    results in the order of ``items``. An exception raised by any call is raised here."""
-    global _pool
     with one_blas_thread():
-        if len(items) == 1:
-            return [work(items[0])]
+        if len(chunks) == 1:
+            work(chunks[0])
+            return
         if _pool is None:
             _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="megdiffusion-batch")
         collecting = gc.isenabled()
         gc.disable()
         try:
-            return list(_pool.map(work, items))
+            for _ in _pool.map(work, chunks):
+                pass
         finally:
             if collecting:
                 gc.enable()

@@ -153,7 +153,6 @@ class GroupWorkers:
                 results[index] = (result, self.grads[slot[index]]) if kind == "gradients" else result
         return [results[index] for index in range(len(groups))]
 
-
     def _local_buffer(self, position):
         """The caller's gradient buffer number ``position``, kept between steps (fresh pages cost more than zeros)."""
         while len(self.local_grads) <= position:

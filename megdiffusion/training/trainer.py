@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from megdiffusion import native
 from megdiffusion.compat import EngineFailure, assign_, is_megengine_error, megengine_error_cause, quiet_megengine
 from megdiffusion.data.datasets import load_dataset
 from megdiffusion.data.loader import BatchLoader
@@ -19,7 +20,6 @@ from megdiffusion.fileio import output_directory
 from megdiffusion.images import save_png
 from megdiffusion.nn.conv import fast_conv_enabled
 from megdiffusion.training import checkpoint as ckpt
-from megdiffusion import native
 from megdiffusion.training import distributed
 from megdiffusion.training.config import TrainConfig, build_diffusion, build_model
 from megdiffusion.training.flat_update import FlatUpdate
