@@ -39,8 +39,8 @@ flags.DEFINE_integer("num_reference", 1000, "Embedded images (the first N) whose
                      "reference; computed once and kept in --output.")
 flags.DEFINE_enum("sampler", None, SAMPLERS, "Sampler for the grid and FID samples (default: the recipe's "
                   "--sample_sampler).")
-# 100 steps: 2.9 and 3.5 FID better than 50 on two 45,000-image checkpoints, for ~70 s more scoring; 200 gained
-# nothing more (benchmarks/README.md, "The CPU recipe").
+# 100 steps: 2.9 and 3.8 FID better than 50 on the recipe's 45,000-image checkpoints of seeds 0 and 1, for ~70 s
+# more scoring; 200 gained nothing more on an earlier checkpoint (benchmarks/README.md, "The CPU recipe").
 flags.DEFINE_integer("steps", 100, "Sampling steps for the grid and FID samples.")
 flags.DEFINE_integer("batch_size", 100, "Sampling and Inception batch size.")
 
