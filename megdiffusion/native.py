@@ -5,7 +5,7 @@ The batch is cut into fixed groups of ``GROUP`` samples; each group's pass (``nn
 process or in a worker process (``group_workers``, one process per core), and the groups' gradients are summed in
 group order, so results are bit-identical on any core count. The training loss is
 ``GaussianDiffusion.training_losses``' for a fixed variance: the mse between the model's output and its target (the
-noise, or x_0), weighted per timestep (``mse_weight``: 1, or Min-SNR's), averaged over the batch.
+noise, x_0 or v), weighted per timestep (``mse_weight``: 1, or Min-SNR's), averaged over the batch.
 ``MEGDIFFUSION_NATIVE_STEP=0`` turns both off: MegEngine then runs the network (with the fast convolutions).
 """
 import os
@@ -37,7 +37,7 @@ def unsupported(model, diffusion, world_size):
         return "gradients are averaged across processes by MegEngine"
     if diffusion.learns_variance:
         return "a learned variance is not implemented"
-    if diffusion.mean_type not in ("eps", "xstart"):
+    if diffusion.mean_type not in ("eps", "xstart", "v"):
         return f"mean_type {diffusion.mean_type!r} is not implemented"
     return numpy_unet.unsupported(numpy_unet.describe(model, list(model.parameters())))
 
@@ -70,7 +70,10 @@ class NativeStep:
         coef = {name: values[t] for name, values in self.coefficients.items()}
         x_t = (coef["sqrt_alphas_cumprod"].reshape(-1, 1, 1, 1) * x0
                + coef["sqrt_one_minus_alphas_cumprod"].reshape(-1, 1, 1, 1) * noise)
-        target = noise if self.diffusion.mean_type == "eps" else x0
+        targets = {"eps": noise, "xstart": x0,
+                   "v": coef["sqrt_alphas_cumprod"].reshape(-1, 1, 1, 1) * noise
+                   - coef["sqrt_one_minus_alphas_cumprod"].reshape(-1, 1, 1, 1) * x0}
+        target = targets[self.diffusion.mean_type]
         temb_in = timestep_embedding(self.diffusion.model_timesteps(t), self.model.model_channels,
                                      self.model.time_embedding).numpy()
         groups = [(x_t[p], target[p], coef["mse_weight"][p], temb_in[p], [dropout_seed, g])

@@ -62,7 +62,7 @@ def test_bad_schedule_raises(name, T):
 def test_bad_diffusion_arguments_raise():
     betas = make_beta_schedule("linear", 100)
     with pytest.raises(ValueError, match="mean_type"):
-        GaussianDiffusion(betas, mean_type="v")
+        GaussianDiffusion(betas, mean_type="velocity")
     with pytest.raises(ValueError, match="var_type"):
         GaussianDiffusion(betas, var_type="learnt")
     with pytest.raises(ValueError, match="between 0 and 1"):
@@ -135,6 +135,23 @@ def test_eps_xstart_round_trip():
     np.testing.assert_allclose(d.predict_eps_from_xstart(xt, t, x0_back).numpy(), eps.numpy(), atol=2e-4)
 
 
+def test_v_round_trip():
+    """v = sqrt(alpha_bar) eps - sqrt(1 - alpha_bar) x_0 (alpha_bar from an independent product) gives back x_0 at
+    every noise level, the noisiest included, and an error in v moves x_0 by at most as much."""
+    betas = make_beta_schedule("cosine", 1000)
+    d = GaussianDiffusion(betas, mean_type="v")
+    rng = np.random.default_rng(1)
+    x0, eps = rng.uniform(-1, 1, (4, 3, 2, 2)), rng.standard_normal((4, 3, 2, 2))
+    t = np.array([0, 3, 400, 999])
+    ab = alpha_bar(betas)[t].reshape(-1, 1, 1, 1)
+    v = np.sqrt(ab) * eps - np.sqrt(1 - ab) * x0
+    np.testing.assert_allclose(d.v_target(tensor(x0), t, tensor(eps)).numpy(), v, atol=1e-6)
+    xt = d.q_sample(tensor(x0), t, tensor(eps))
+    np.testing.assert_allclose(d.predict_xstart_from_v(xt, t, tensor(v)).numpy(), x0, atol=1e-5)
+    moved = d.predict_xstart_from_v(xt, t, tensor(v + 0.01)).numpy() - d.predict_xstart_from_v(xt, t, tensor(v)).numpy()
+    assert np.abs(moved).max() <= 0.01 + 1e-6
+
+
 def exact_model(d, mean_type, x0, noise):
     """A model that returns the exact target of ``mean_type`` for the x_t made from (x0, noise)."""
     ab = d.alphas_cumprod
@@ -145,6 +162,8 @@ def exact_model(d, mean_type, x0, noise):
             return tensor(noise)
         if mean_type == "xstart":
             return tensor(x0)
+        if mean_type == "v":
+            return tensor(np.sqrt(ab[t])[:, None] * noise - np.sqrt(1 - ab[t])[:, None] * x0)
         c1 = (np.sqrt(ab[t - 1] if t[0] else 1.0) * d.betas[t] / (1 - ab[t]))[:, None]
         c2 = (np.sqrt(1 - d.betas[t]) * (1 - (ab[t - 1] if t[0] else 1.0)) / (1 - ab[t]))[:, None]
         return tensor(c1 * x0 + c2 * x_t.numpy())
@@ -159,7 +178,7 @@ def test_mean_types_agree_with_an_exact_model(t):
     x0, noise = rng.uniform(-1, 1, (8, 2)), rng.standard_normal((8, 2))
     ts = np.full(8, t)
     means, losses = [], []
-    for mean_type in ("eps", "xstart", "xprev"):
+    for mean_type in ("eps", "xstart", "xprev", "v"):
         d = GaussianDiffusion(betas, mean_type=mean_type)
         model = exact_model(d, mean_type, x0, noise)
         xt = d.q_sample(tensor(x0), ts, tensor(noise))
@@ -169,6 +188,7 @@ def test_mean_types_agree_with_an_exact_model(t):
         losses.append(d.training_losses(model, tensor(x0), ts, tensor(noise))["loss"].numpy())
     np.testing.assert_allclose(means[1], means[0], atol=5e-4)
     np.testing.assert_allclose(means[2], means[0], atol=5e-4)
+    np.testing.assert_allclose(means[3], means[0], atol=5e-4)
     for loss in losses:
         assert loss.shape == (8,) and loss.max() < 1e-8
 
@@ -181,10 +201,11 @@ def test_training_loss_is_per_sample_mse():
     np.testing.assert_allclose(loss.numpy(), (noise ** 2).reshape(3, -1).mean(axis=1), rtol=1e-5)
 
 
-@pytest.mark.parametrize("mean_type", ["eps", "xstart"])
+@pytest.mark.parametrize("mean_type", ["eps", "xstart", "v"])
 def test_min_snr_weighting(mean_type):
-    """Min-SNR-5: the loss of timestep t is the mse times min(SNR_t, 5) / SNR_t (eps) or min(SNR_t, 5) (xstart),
-    SNR_t = alpha_bar_t / (1 - alpha_bar_t) from an independent product; gamma 0 leaves Ho's mse."""
+    """Min-SNR-5: the loss of timestep t is the mse times min(SNR_t, 5) / SNR_t (eps), min(SNR_t, 5) (xstart) or
+    min(SNR_t, 5) / (SNR_t + 1) (v: its mse is x_0's times SNR_t + 1), SNR_t = alpha_bar_t / (1 - alpha_bar_t)
+    from an independent product; gamma 0 leaves Ho's mse."""
     betas = make_beta_schedule("linear", 1000)
     snr = alpha_bar(betas) / (1.0 - alpha_bar(betas))
     rng = np.random.default_rng(3)
@@ -195,9 +216,10 @@ def test_min_snr_weighting(mean_type):
         lambda x, t: x * 0, tensor(x0), ts, tensor(noise))
     weighted = GaussianDiffusion(betas, mean_type=mean_type, min_snr_gamma=5.0).training_losses(
         lambda x, t: x * 0, tensor(x0), ts, tensor(noise))
-    target = noise if mean_type == "eps" else x0
+    ab = alpha_bar(betas)[ts].reshape(-1, 1, 1, 1)
+    target = {"eps": noise, "xstart": x0, "v": np.sqrt(ab) * noise - np.sqrt(1 - ab) * x0}[mean_type]
     mse = (target ** 2).reshape(4, -1).mean(axis=1)
-    weight = np.minimum(snr[ts], 5.0) / (snr[ts] if mean_type == "eps" else 1.0)
+    weight = np.minimum(snr[ts], 5.0) / {"eps": snr[ts], "xstart": 1.0, "v": snr[ts] + 1.0}[mean_type]
     np.testing.assert_allclose(plain["loss"].numpy(), mse, rtol=1e-5)
     np.testing.assert_allclose(weighted["mse"].numpy(), mse, rtol=1e-5)
     np.testing.assert_allclose(weighted["loss"].numpy(), mse * weight, rtol=1e-5)

@@ -97,10 +97,11 @@ def test_the_numpy_pass_is_the_unet_and_its_gradients(name):
     assert_gradients_close(grads, expected_grads)
 
 
-@pytest.mark.parametrize("loss", [dict(), dict(mean_type="xstart", min_snr_gamma=5.0)], ids=["eps", "xstart-minsnr"])
+@pytest.mark.parametrize("loss", [dict(), dict(mean_type="xstart", min_snr_gamma=5.0), dict(mean_type="v")],
+                         ids=["eps", "xstart-minsnr", "v"])
 def test_native_loss_and_gradients_are_training_losses(tiny_config, loss):
     """NativeStep on a batch of 20 (three groups: a worker process computes some) against the batch mean of
-    ``training_losses`` through MegEngine's autodiff, with Min-SNR weights and the x_0 target too."""
+    ``training_losses`` through MegEngine's autodiff, with Min-SNR weights and the x_0 and v targets too."""
     cfg = tiny_config(channel_mult=(1, 2), attention_resolutions=(4,), norm_groups=4, num_timesteps=100, **loss)
     mge.random.seed(0)
     model = randomised(build_model(cfg))

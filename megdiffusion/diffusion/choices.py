@@ -1,6 +1,8 @@
 """The names the diffusion code accepts. Imports no MegEngine: the training config offers them as flag choices."""
 
-MEAN_TYPES = ("eps", "xstart", "xprev")  # what the model predicts: the noise, x_0 or the mean of x_{t-1}
+# What the model predicts: the noise, x_0, the mean of x_{t-1}, or v = sqrt(alpha_bar) eps - sqrt(1 - alpha_bar) x_0
+# (Salimans & Ho 2022), which keeps x_0 well conditioned where alpha_bar is near 0.
+MEAN_TYPES = ("eps", "xstart", "xprev", "v")
 # Reverse-process variance: beta_t, the posterior variance, or learned by the model from a second set of output
 # channels v: "learned_range" interpolates log beta_t and the clipped log posterior variance with (v + 1) / 2
 # (Nichol & Dhariwal), "learned" takes v as the log variance itself.

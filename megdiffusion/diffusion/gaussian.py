@@ -54,7 +54,10 @@ class GaussianDiffusion:
     """The forward process q(x_t | x_0) and the reverse-process arithmetic around a model.
 
     :param betas: 1-D float array of the forward-process variances, each in (0, 1).
-    :param mean_type: "eps" (the paper's choice), "xstart" or "xprev": what ``model(x_t, t)`` predicts.
+    :param mean_type: "eps" (the paper's choice), "xstart", "xprev" or "v": what ``model(x_t, t)`` predicts; v is
+        sqrt(alpha_bar_t) eps - sqrt(1 - alpha_bar_t) x_0 (Salimans & Ho 2022), so x_0 = sqrt(alpha_bar_t) x_t -
+        sqrt(1 - alpha_bar_t) v: unlike x_0 from eps, an error in v is not amplified by 1 / sqrt(alpha_bar_t) at
+        the noisiest steps.
     :param var_type: "fixedlarge" (beta_t, with the posterior variance at t = 0, the official CIFAR-10
         choice), "fixedsmall" (the posterior variance, clipped at t = 0), or learned from the model's second
         half of output channels v: "learned_range" (log variance frac log beta_t + (1 - frac) log posterior
@@ -62,9 +65,9 @@ class GaussianDiffusion:
     :param loss_type: "mse" or "hybrid" (``choices.LOSS_TYPES``); "hybrid" needs a learned variance.
     :param rescale_timesteps: the model receives t * 1000 / original T (a float) instead of t.
     :param min_snr_gamma: 0 for Ho's L_simple; above 0, the mse of timestep t weighted by min(SNR_t, gamma) / SNR_t
-        for eps prediction and min(SNR_t, gamma) for x_0 prediction (Hang et al. 2023, "Min-SNR"; SNR_t =
-        alpha_bar_t / (1 - alpha_bar_t)): the low-noise steps, whose loss is easy and large in number, no longer
-        dominate the gradient.
+        for eps prediction, min(SNR_t, gamma) for x_0 and min(SNR_t, gamma) / (SNR_t + 1) for v (Hang et al. 2023,
+        "Min-SNR"; SNR_t = alpha_bar_t / (1 - alpha_bar_t)): the low-noise steps, whose loss is easy and large in
+        number, no longer dominate the gradient.
     :param timestep_map: the original timestep of each index (default: the identity); ``respace`` sets it.
     :param original_num_steps: T of the original chain (default: len(betas)).
     """
@@ -83,7 +86,7 @@ class GaussianDiffusion:
             raise ValueError(f"loss_type 'hybrid' weights the vb term that trains a learned variance; var_type "
                              f"{var_type!r} learns none (use {' or '.join(LEARNED_VAR_TYPES)}, or loss_type 'mse')")
         if min_snr_gamma < 0 or (min_snr_gamma > 0 and mean_type == "xprev"):
-            raise ValueError(f"min_snr_gamma must be 0 (off) or positive with mean_type eps or xstart; got "
+            raise ValueError(f"min_snr_gamma must be 0 (off) or positive with mean_type eps, xstart or v; got "
                              f"{min_snr_gamma} with mean_type {mean_type!r}")
         self.mean_type, self.var_type, self.loss_type = mean_type, var_type, loss_type
         self.min_snr_gamma = float(min_snr_gamma)
@@ -127,8 +130,8 @@ class GaussianDiffusion:
         # The weight of each timestep's mse in the loss: 1 (L_simple), or Min-SNR's.
         snr = self.alphas_cumprod / (1.0 - self.alphas_cumprod)
         clipped = np.minimum(snr, self.min_snr_gamma)
-        self.mse_weight = (np.ones_like(snr) if self.min_snr_gamma == 0
-                           else clipped / snr if mean_type == "eps" else clipped)
+        per_x0_mse = {"eps": snr, "xstart": np.ones_like(snr), "v": snr + 1.0}.get(mean_type)  # mse / x_0's mse
+        self.mse_weight = np.ones_like(snr) if self.min_snr_gamma == 0 else clipped / per_x0_mse
         names = _PER_SAMPLE + (("model_log_variance",) if self.model_log_variance is not None else ())
         self._tensors = {name: Tensor(getattr(self, name).astype(np.float32)) for name in names}
         model_t = self.timestep_map * (1000.0 / self.original_num_steps) if self.rescale_timesteps else None
@@ -193,6 +196,16 @@ class GaussianDiffusion:
         return ((self._extract("sqrt_recip_alphas_cumprod", t, x_t.ndim) * x_t - x0)
                 / self._extract("sqrt_recipm1_alphas_cumprod", t, x_t.ndim))
 
+    def predict_xstart_from_v(self, x_t, t, v):
+        """x_0 = sqrt(alpha_bar_t) x_t - sqrt(1 - alpha_bar_t) v."""
+        return (self._extract("sqrt_alphas_cumprod", t, x_t.ndim) * x_t
+                - self._extract("sqrt_one_minus_alphas_cumprod", t, x_t.ndim) * v)
+
+    def v_target(self, x0, t, noise):
+        """v = sqrt(alpha_bar_t) noise - sqrt(1 - alpha_bar_t) x_0, the target of a v model."""
+        return (self._extract("sqrt_alphas_cumprod", t, x0.ndim) * noise
+                - self._extract("sqrt_one_minus_alphas_cumprod", t, x0.ndim) * x0)
+
     def predict_xstart_from_xprev(self, x_t, t, xprev):
         """The x_0 whose posterior mean, with x_t, is xprev."""
         return ((xprev - self._extract("posterior_mean_coef2", t, x_t.ndim) * x_t)
@@ -227,6 +240,8 @@ class GaussianDiffusion:
             x0 = self.predict_xstart_from_eps(x_t, t, prediction)
         elif self.mean_type == "xstart":
             x0 = prediction
+        elif self.mean_type == "v":
+            x0 = self.predict_xstart_from_v(x_t, t, prediction)
         else:
             x0 = self.predict_xstart_from_xprev(x_t, t, prediction)
         if clip_denoised:
@@ -257,6 +272,8 @@ class GaussianDiffusion:
             target = noise
         elif self.mean_type == "xstart":
             target = x0
+        elif self.mean_type == "v":
+            target = self.v_target(x0, t, noise)
         else:
             target = self._posterior_mean(x0, x_t, t)
         terms = {"mse": mean_flat((prediction - target) ** 2)}

@@ -77,7 +77,8 @@ class TrainConfig:
     # Diffusion
     num_timesteps: int = _flag(1000, "Number of diffusion steps T.")
     beta_schedule: str = _flag("linear", "Beta schedule.", choices=SCHEDULES)
-    mean_type: str = _flag("eps", "What the network predicts: the noise, x_0 or the mean of x_{t-1}.",
+    mean_type: str = _flag("eps", "What the network predicts: the noise, x_0, the mean of x_{t-1}, or v "
+                           "(sqrt(alpha_bar) noise - sqrt(1 - alpha_bar) x_0, Salimans & Ho 2022).",
                            choices=MEAN_TYPES)
     var_type: str = _flag("fixedlarge", "Reverse-process variance: beta_t, the posterior variance, or learned by the "
                           "network (twice the output channels): interpolated between the two in the log domain "
@@ -86,7 +87,8 @@ class TrainConfig:
                            "L_simple + vb * T / 1000 (L_simple + 0.001 L_vlb; needs a learned --var_type).",
                            choices=LOSS_TYPES)
     min_snr_gamma: float = _flag(0.0, "0: Ho's L_simple; above 0, Min-SNR-gamma weighting of each timestep's mse "
-                                 "(min(SNR_t, gamma) / SNR_t for eps prediction, min(SNR_t, gamma) for xstart; "
+                                 "(min(SNR_t, gamma) / SNR_t for eps prediction, min(SNR_t, gamma) for xstart, "
+                                 "min(SNR_t, gamma) / (SNR_t + 1) for v; "
                                  "Hang et al. 2023 use 5).", min=0)
     rescale_timesteps: bool = _flag(False, "The network sees t * 1000 / T (fractional) instead of t, as "
                                     "improved-diffusion's models do.")
