@@ -73,3 +73,14 @@ def reject_arguments(argv):
     """Fail in one line when a script that takes only flags got positional arguments."""
     if len(argv) > 1:
         fail(f"unexpected arguments {argv[1:]}; flags look like --name=value")
+
+
+def define_guidance_flags():
+    """--guide_ckpt and --guidance (autoguidance, ``generation.Autoguidance``) for the sampling and FID scripts."""
+    from absl import flags
+
+    flags.DEFINE_string("guide_ckpt", None, "Autoguidance (Karras et al. 2024): a weaker model to guide the sampled "
+                        "one with, such as an earlier checkpoint of the same run (file or logdir); each step then "
+                        "calls both networks.")
+    flags.DEFINE_float("guidance", 1.0, "With --guide_ckpt: the guidance weight w, prediction = guide + w (model - "
+                       "guide); 1 is no guidance. The CPU recipe's demo uses 2.5 with its half-way checkpoint.")

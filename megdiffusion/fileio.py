@@ -3,6 +3,7 @@ directories of the scripts: checked before anything is written, locked while a c
 import contextlib
 import fcntl
 import os
+import shutil
 import tempfile
 import zipfile
 import zlib
@@ -52,6 +53,12 @@ def write_text(path, text):
     """Write ``text`` to ``path`` atomically."""
     with atomic_write(path, "w") as f:
         f.write(text)
+
+
+def copy_file(source, path):
+    """Copy the file ``source`` to ``path`` atomically."""
+    with open(source, "rb") as src, atomic_write(path) as f:
+        shutil.copyfileobj(src, f)
 
 
 def save_npz(path, **arrays):

@@ -5,6 +5,7 @@ Image ``i`` depends only on (seed, i) (``megdiffusion.generation``): a run split
 a crash, or spread over several GPUs writes the same images as one uninterrupted run.
 """
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from tqdm import tqdm
 
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import output_directory, save_npz, write_text
-from megdiffusion.generation import generate_images
+from megdiffusion.generation import Autoguidance, generate_images
 from megdiffusion.images import make_grid, read_image, save_png
 from megdiffusion.training import checkpoint, distributed
 from megdiffusion.training.config import build_diffusion, build_model
@@ -43,11 +44,18 @@ class SampleJob:
     ema: bool = True
     progress: bool = True
     npz: bool = True  # also write samples.npz
+    guide_ckpt: Optional[str] = None  # autoguidance: the weaker model (``load_guidance``)
+    guidance: float = 1.0  # its weight w: bad + w (good - bad); 1 is no guidance
 
-    def manifest(self, step):
+    def manifest(self, step, guide_step=None):
         """The settings that decide the images (``manifest.json``): a directory never mixes two of them."""
-        return {"checkpoint": os.path.abspath(self.ckpt), "step": step, "ema": self.ema, "sampler": self.sampler,
-                "steps": self.steps, "respacing": self.respacing, "eta": self.eta, "seed": self.seed}
+        settings = {"checkpoint": os.path.abspath(self.ckpt), "step": step, "ema": self.ema,
+                    "sampler": self.sampler, "steps": self.steps, "respacing": self.respacing, "eta": self.eta,
+                    "seed": self.seed}
+        if self.guide_ckpt:  # absent without guidance, so directories written before it existed still continue
+            settings.update(guide_checkpoint=os.path.abspath(self.guide_ckpt), guide_step=guide_step,
+                            guidance=self.guidance)
+        return settings
 
 
 def run_job(job, num_gpus=1):
@@ -56,27 +64,32 @@ def run_job(job, num_gpus=1):
     before anything is written, and the output directory is locked meanwhile."""
     distributed.check_launch(num_gpus)
     loaded = load_model(job.ckpt, job.ema)
-    _, diffusion, _, step = loaded
+    _, diffusion, cfg, step = loaded
     check_sampler(diffusion, job.sampler, job.steps, job.eta, job.respacing)
+    guidance, guide_step = load_guidance(job.guide_ckpt, job.guidance, cfg, job.ema)
     with output_directory(job.output, "--output", MANIFEST):
-        prepare_output(job.output, job.manifest(step))
+        prepare_output(job.output, job.manifest(step, guide_step))
         if num_gpus == 1:
-            sample_share(job, loaded)
+            sample_share(job, loaded, guidance)
         else:
             distributed.launch(sample_share, (job,), num_gpus)
         write_summaries(job.output, job.num_images, npz=job.npz)
     return step
 
 
-def sample_share(job, loaded=None):
+def sample_share(job, loaded=None, guidance=None):
     """Write this process's share of the job's missing images (all of them outside a launched group).
 
-    ``loaded``: what ``load_model`` returned, when the caller has it; launched processes load it here.
+    ``loaded``, ``guidance``: what ``load_model`` and ``load_guidance`` returned, when the caller has them;
+    launched processes load them here.
     """
     model, diffusion, cfg, _ = loaded or load_model(job.ckpt, job.ema)
+    if loaded is None:
+        guidance, _ = load_guidance(job.guide_ckpt, job.guidance, cfg, job.ema)
     rank, world_size = distributed.rank_and_world()
     return sample_to_directory(model, diffusion, cfg.image_shape, job.output, job.num_images, job.seed, job.sampler,
-                               job.steps, job.eta, job.batch_size, rank, world_size, job.progress, job.respacing)
+                               job.steps, job.eta, job.batch_size, rank, world_size, job.progress, job.respacing,
+                               guidance)
 
 
 def load_model(ckpt_or_logdir, ema=True):
@@ -91,6 +104,30 @@ def load_model(ckpt_or_logdir, ema=True):
     checkpoint.load_weights(model, state["ema" if ema else "model"], path)
     model.eval()
     return model, build_diffusion(cfg), cfg, state["step"]
+
+
+def load_guidance(guide_ckpt, weight, cfg, ema=True):
+    """``(Autoguidance, step)`` of the weaker model in ``guide_ckpt`` (a file or logdir) with ``weight``, for a
+    model trained with ``cfg``; ``(None, None)`` without guidance (no ``guide_ckpt`` and weight 1). Raises
+    ``SamplingError`` for a weight below 1, one without the other, or a guide that sees or predicts other things
+    (``checkpoint.GUIDE_FIELDS``: its width and depth may differ)."""
+    if not math.isfinite(weight) or weight < 1:
+        raise SamplingError(f"--guidance must be a number >= 1 (1: no guidance; Karras et al. use 1.5 to 3), "
+                            f"got {weight:g}")
+    if not guide_ckpt:
+        if weight != 1:
+            raise SamplingError(f"--guidance {weight:g} needs --guide_ckpt, the weaker model to guide with (an "
+                                "earlier checkpoint of the same run)")
+        return None, None
+    if weight == 1:
+        raise SamplingError("--guide_ckpt needs --guidance above 1 (with 1 the guide is not used; try 2)")
+    model, _, guide_cfg, step = load_model(guide_ckpt, ema)
+    changed = checkpoint.differences(guide_cfg, cfg, checkpoint.GUIDE_FIELDS)
+    if changed:
+        raise SamplingError(f"--guide_ckpt {guide_ckpt} was trained with different {', '.join(changed)} "
+                            f"({' '.join(changed.values())}) than the sampled model; guide with a checkpoint of "
+                            "the same run")
+    return Autoguidance(model, float(weight)), step
 
 
 def check_sampler(diffusion, sampler, steps, eta=0.0, respacing=None):
@@ -133,8 +170,9 @@ def missing_indices(output, num_images, rank=0, world_size=1):
 
 
 def sample_to_directory(model, diffusion, image_shape, output, num_images, seed, sampler="ddpm", steps=None,
-                        eta=0.0, batch_size=64, rank=0, world_size=1, progress=True, respacing=None):
-    """Write this rank's missing images ``000000.png ...`` into ``output``; returns how many it wrote.
+                        eta=0.0, batch_size=64, rank=0, world_size=1, progress=True, respacing=None, guidance=None):
+    """Write this rank's missing images ``000000.png ...`` into ``output`` (``guidance``: an ``Autoguidance`` or
+    None); returns how many it wrote.
 
     Each PNG is written atomically as soon as its batch is done, so an interrupted run loses at most
     one batch and a rerun continues where it stopped.
@@ -146,7 +184,7 @@ def sample_to_directory(model, diffusion, image_shape, output, num_images, seed,
         for start in range(0, len(todo), batch_size):
             chunk = todo[start:start + batch_size]
             images = generate_images(model, diffusion, image_shape, chunk, seed, sampler, steps, eta,
-                                     batch_size, progress=bar, respacing=respacing)
+                                     batch_size, progress=bar, respacing=respacing, guidance=guidance)
             for index, image in zip(chunk, images):
                 save_png(image_path(output, index), image)
     return len(todo)

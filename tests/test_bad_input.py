@@ -50,6 +50,7 @@ def shared(tmp_path_factory, tiny_config, tiny_images):
                "mismatch.pkl": {**state, "config": {**state["config"], "model_channels": 16, "norm_groups": 4}},
                "bad_config.pkl": {**state, "config": {**state["config"], "image_size": -4}},
                "nan_config.pkl": {**state, "config": {**state["config"], "lr": float("nan")}},
+               "cosine.pkl": {**state, "config": {**state["config"], "beta_schedule": "cosine"}},
                "text_weights.pkl": {**state, "ema": {name: "abc" for name in state["ema"]}},
                "a_list.pkl": [1, 2, 3]}
     for name, obj in crafted.items():
@@ -136,7 +137,7 @@ CASES = [
     ("unknown-loss-type", "train", [*TRAIN, "--loss_type=kl"], "--loss_type=kl: value should be one of <mse|hybrid>"),
     ("negative-min-snr-gamma", "train", [*TRAIN, "--min_snr_gamma=-1"], "--min_snr_gamma"),
     ("min-snr-with-xprev", "train", [*TRAIN, "--mean_type=xprev", "--min_snr_gamma=5"],
-     "bad diffusion flags: min_snr_gamma must be 0 (off) or positive with mean_type eps or xstart"),
+     "bad diffusion flags: min_snr_gamma must be 0 (off) or positive with mean_type eps, xstart or v"),
     ("heads-do-not-divide", "train", [*TRAIN, "--num_heads=3"],
      "attention over 32 channels cannot be split into heads with num_heads=3"),
     ("head-channels-do-not-divide", "train", [*TRAIN, "--num_head_channels=12"], "with num_head_channels=12"),
@@ -182,6 +183,16 @@ CASES = [
     ("respacing-garbage", "sample", [*RESPACED, "--respacing=abc"], "respacing must be 'N', 'a,b,c'"),
     ("respacing-over-T", "sample", [*RESPACED, "--respacing=50"], "a section of 40 of T=40 steps cannot keep 50"),
     ("steps-and-respacing", "sample", [*SAMPLE, "--respacing=4"], "give steps or respacing, not both"),
+    ("guidance-without-guide", "sample", [*SAMPLE, "--guidance=2"], "--guidance 2 needs --guide_ckpt, the weaker"),
+    ("guide-without-guidance", "sample", [*SAMPLE, "--guide_ckpt=run"], "--guide_ckpt needs --guidance above 1"),
+    ("guidance-below-one", "sample", [*SAMPLE, "--guide_ckpt=run", "--guidance=0.5"],
+     "--guidance must be a number >= 1 (1: no guidance"),
+    ("guide-of-another-recipe", "sample", [*SAMPLE, "--guide_ckpt=cosine.pkl", "--guidance=2"],
+     "--guide_ckpt cosine.pkl was trained with different beta_schedule (--beta_schedule=cosine) than the sampled"),
+    ("guide-missing", "sample", [*SAMPLE, "--guide_ckpt=nope.pkl", "--guidance=2"], "no checkpoint file at nope.pkl"),
+    ("output-of-unguided-images", "sample", [*SAMPLE, "--ckpt={shared}/run", "--output={shared}/samples",
+                                             "--guide_ckpt={shared}/run", "--guidance=2"],
+     "holds images made with other settings (guidance: None -> 2.0"),
     # fid
     ("17:stats-out-proc", "fid", ["--save_stats", "images", "/proc/s.npz"], "OUT.npz /proc/s.npz cannot be written"),
     ("stats-out-under-file", "fid", ["--save_stats", "images", "afile.txt/s.npz"], "afile.txt is a file"),
@@ -200,6 +211,10 @@ CASES = [
     ("eta-inf", "fid", ["--ckpt=run", "--num_images=2", "--eta=inf", "images"], "--eta must be a finite number"),
     ("respacing-garbage", "fid", ["--ckpt=run", "--num_images=2", "--respacing=ddimx", "images"],
      "respacing must be"),
+    ("guidance-nan", "fid", ["--ckpt=run", "--num_images=2", "--guide_ckpt=run", "--guidance=nan", "images"],
+     "--guidance must be a finite number, got nan"),
+    ("guide-of-another-recipe", "fid", ["--ckpt=run", "--num_images=2", "--steps=2", "--guide_ckpt=cosine.pkl",
+                                        "--guidance=2", "images"], "was trained with different beta_schedule"),
     # nll
     ("no-ckpt", "nll", ["data.npz"], "--ckpt is required"),
     ("two-paths", "nll", ["--ckpt=run", "data.npz", "images"], "expected one argument, the images PATH; got 2"),
@@ -240,6 +255,7 @@ CASES = [
     ("output-file", "demo", [*DEMO, "--output=afile.txt"], "--output afile.txt is a file"),
     ("output-proc", "demo", [*DEMO, "--output=/proc/x"], "--output /proc/x cannot be written"),
     ("output-empty", "demo", [*DEMO, "--output="], "--output is empty; give a path"),
+    ("guidance-below-one", "demo", [*DEMO, "--guidance=0.5"], "--guidance=0.5"),
     ("positional", "demo", [*DEMO, "extra"], "unexpected arguments"),
 ]
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from megdiffusion.training.checkpoint import load_checkpoint
+
 REPO = Path(__file__).resolve().parents[1]  # the code under test, not an installed copy (the demo runs elsewhere)
 
 
@@ -30,6 +32,10 @@ def test_demo_trains_samples_scores_and_resumes(tmp_path):
     assert np.isfinite(summary["fid"]) and summary["fid"] > 0 and summary["fid_num_images"] == 4
     assert 0 < summary["fid_floor"] < summary["fid"]  # 4 real images are closer to the data than 4 barely trained
     assert summary["sampler"] == "ddpm-2"  # the recipe's --sample_sampler unless --sampler says otherwise
+    # Guided by the model at the end of the first half of the training (saved as guide.pkl).
+    assert summary["guidance"] == 2.5 and 0 <= summary["guide_step"] <= summary["steps"]
+    assert f"guided by the step-{summary['guide_step']} model with w=2.5" in first.stdout
+    assert load_checkpoint(str(output / "guide.pkl"))["step"] == summary["guide_step"]
     assert summary["verdict"] == "still far from the data; train longer with --resume"
     assert (f"FID {summary['fid']:.2f} (real-data floor {summary['fid_floor']:.1f} in this protocol): still far from "
             "the data; train longer with --resume") in first.stdout
@@ -45,15 +51,18 @@ def test_demo_trains_samples_scores_and_resumes(tmp_path):
     after = json.loads((output / "summary.json").read_text())
     assert after["steps"] == summary["steps"] + after["steps_this_run"] > summary["steps"]
 
-    # An image budget: 20 images at the recipe's batch of 16 are two steps, on top of the resumed ones.
+    # An image budget: 20 images at the recipe's batch of 16 are two steps, on top of the resumed ones; the guide
+    # is the model after the first of them.
     by_images = run_demo(output, home, "--resume", budget=("--images=20",))
     assert by_images.returncode == 0, by_images.stderr
-    assert json.loads((output / "summary.json").read_text())["steps"] == after["steps"] + 2
+    imaged = json.loads((output / "summary.json").read_text())
+    assert imaged["steps"] == after["steps"] + 2 and imaged["guide_step"] == after["steps"] + 1
 
-    restarted = run_demo(output, home, "--sampler=ddim")
+    restarted = run_demo(output, home, "--sampler=ddim", "--guidance=1")
     assert restarted.returncode == 0, restarted.stderr
     again = json.loads((output / "summary.json").read_text())
-    assert again["steps_this_run"] == again["steps"] and again["sampler"] == "ddim-2"
+    assert again["steps_this_run"] == again["steps"] and again["sampler"] == "ddim-2" and again["guidance"] == 1
+    assert "guided" not in restarted.stdout
 
 
 def test_demo_refuses_a_directory_it_did_not_make(tmp_path):

@@ -10,12 +10,12 @@ import pytest
 
 from megdiffusion import sampling
 from megdiffusion.compat import cuda_driver_loadable, quiet_megengine
-from megdiffusion.generation import generate_images
+from megdiffusion.generation import Autoguidance, _Guided, generate_images
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
 from megdiffusion.training.trainer import TrainingRun
 
-quiet_megengine()
+mge = quiet_megengine()
 
 SHAPE = (1, 8, 8)
 
@@ -60,6 +60,27 @@ def test_ema_and_raw_weights_differ(logdir):
     ema = generate_images(ema_model, diffusion, SHAPE, range(4), 0, "ddim", 5)
     raw = generate_images(raw_model, diffusion, SHAPE, range(4), 0, "ddim", 5)
     assert not np.array_equal(ema, raw)
+
+
+def test_autoguidance_samples_the_guide_plus_weight_times_the_difference(logdir):
+    """Guided by the raw weights with w = 2.5, the images are those of a model that returns bad + 2.5 (good - bad),
+    computed here by MegEngine's own modules (the fast path runs neither network there), and not the unguided ones."""
+    good, diffusion, _, _ = sampling.load_model(str(logdir), ema=True)
+    bad = sampling.load_model(str(logdir), ema=False)[0]
+    guided = generate_images(good, diffusion, SHAPE, range(6), 0, "ddpm", 5, guidance=Autoguidance(bad, 2.5))
+    by_hand = generate_images(lambda x, t: bad(x, t) + 2.5 * (good(x, t) - bad(x, t)), diffusion, SHAPE, range(6), 0,
+                              "ddpm", 5)
+    assert np.abs(guided.astype(int) - by_hand).max() <= 1  # float rounding of the two networks' arithmetic
+    unguided = generate_images(good, diffusion, SHAPE, range(6), 0, "ddpm", 5)
+    assert np.abs(guided.astype(int) - unguided).mean() > 2
+
+
+def test_autoguidance_guides_the_prediction_and_keeps_the_good_models_variance():
+    def constant(prediction, variance):
+        return lambda x, t: mge.tensor(np.array([prediction, variance], np.float32).reshape(1, 2, 1, 1))
+
+    out = _Guided(constant(3.0, 0.5), constant(1.0, -0.5), 2.0, channels=1)(None, None).numpy()
+    np.testing.assert_allclose(out.reshape(2), [1.0 + 2.0 * (3.0 - 1.0), 0.5])
 
 
 def test_interrupted_run_resumes_to_the_same_images(loaded, tmp_path, monkeypatch):

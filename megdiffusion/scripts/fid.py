@@ -4,14 +4,15 @@ Each PATH is a directory of images (recursive; ``datasets.IMAGE_EXTENSIONS``), a
 (``arr_0``), a statistics npz (``mu``, ``sigma``), ``fashion_mnist`` (the embedded test split) or
 ``cifar10:DIR`` (CIFAR-10 python batches, train split). ``--save_stats PATH OUT.npz`` writes the statistics
 of PATH instead. ``--ckpt LOGDIR_OR_FILE --num_images N [--sampler ddim --steps 50] PATH`` samples N images
-from a trained model (EMA weights) and scores them against PATH. Protocol: see ``megdiffusion.metrics.fid``.
+from a trained model (EMA weights) and scores them against PATH; ``--guide_ckpt EARLIER --guidance 2.5``
+guides them with a weaker model (autoguidance). Protocol: see ``megdiffusion.metrics.fid``.
 Bad input: one line on stderr, exit code 2.
 """
 import sys
 
 from absl import app, flags
 
-from megdiffusion.cli import UsageError, megengine_failures, one_line_errors, parse_flags
+from megdiffusion.cli import UsageError, define_guidance_flags, megengine_failures, one_line_errors, parse_flags
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import SAMPLERS
 from megdiffusion.fileio import check_writable
@@ -32,6 +33,7 @@ flags.DEFINE_string("respacing", None, "With --ckpt, instead of --steps: improve
                     "('50', 'ddim50', '10,15,20'; see scripts.sample).")
 flags.DEFINE_float("eta", 0.0, "With --ckpt: DDIM eta.")
 flags.DEFINE_integer("seed", 0, "With --ckpt: image i of the samples depends only on (seed, i).")
+define_guidance_flags()
 
 
 def _statistics(spec, num_images=None):
@@ -44,16 +46,17 @@ def _statistics(spec, num_images=None):
 def model_fid(reference_spec):
     """FID of --num_images samples of the --ckpt model against all of ``reference_spec``."""
     from megdiffusion.evaluate import model_fid as score
-    from megdiffusion.sampling import check_sampler, load_model
+    from megdiffusion.sampling import check_sampler, load_guidance, load_model
 
     if not FLAGS.num_images:
         raise UsageError("--ckpt needs --num_images (how many samples to score; papers use 50,000)")
     model, diffusion, cfg, step = load_model(FLAGS.ckpt, ema=FLAGS.ema)
     steps = FLAGS.steps if FLAGS["steps"].present or not FLAGS.respacing else None  # --steps has a default
     check_sampler(diffusion, FLAGS.sampler, steps, FLAGS.eta, FLAGS.respacing)
+    guidance, _ = load_guidance(FLAGS.guide_ckpt, FLAGS.guidance, cfg, FLAGS.ema)
     reference = _statistics(reference_spec)
     value, _ = score(model, diffusion, cfg.image_shape, reference, FLAGS.num_images, FLAGS.seed, FLAGS.sampler,
-                     steps, FLAGS.eta, FLAGS.batch_size, FLAGS.progress, FLAGS.respacing)
+                     steps, FLAGS.eta, FLAGS.batch_size, FLAGS.progress, FLAGS.respacing, guidance)
     return value, step
 
 
@@ -69,8 +72,9 @@ def main(argv):
                 raise UsageError(f"with --ckpt give one reference PATH (images or stats npz); got {len(paths)}")
             value, step = model_fid(paths[0])
             spacing = f"respacing {FLAGS.respacing}" if FLAGS.respacing else FLAGS.steps
+            guided = f", guided by {FLAGS.guide_ckpt} with w={FLAGS.guidance:g}" if FLAGS.guide_ckpt else ""
             print(f"FID: {value:.4f} ({FLAGS.num_images} {'EMA' if FLAGS.ema else 'raw'} samples of "
-                  f"{FLAGS.ckpt} step {step}, {FLAGS.sampler}-{spacing}, vs {paths[0]})")
+                  f"{FLAGS.ckpt} step {step}, {FLAGS.sampler}-{spacing}{guided}, vs {paths[0]})")
             return
         if len(paths) != 2:
             usage = "--save_stats PATH OUT.npz" if FLAGS.save_stats else "PATH_A PATH_B"

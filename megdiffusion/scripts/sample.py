@@ -5,10 +5,12 @@
 
 Image i depends only on (--seed, i); a rerun into the same --output continues where it stopped, and
 ``--num_gpus N`` spreads the images over N GPUs (one spawned process each) with the same result.
+``--guide_ckpt EARLIER_CKPT --guidance 2.5`` guides the model with a weaker version of itself (autoguidance).
 """
 from absl import app, flags
 
-from megdiffusion.cli import UsageError, megengine_failures, one_line_errors, parse_flags, reject_arguments
+from megdiffusion.cli import (UsageError, define_guidance_flags, megengine_failures, one_line_errors, parse_flags,
+                              reject_arguments)
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import SAMPLERS
 
@@ -27,6 +29,7 @@ flags.DEFINE_integer("seed", 0, "Image i depends only on (seed, i).")
 flags.DEFINE_string("output", None, "Output directory: PNGs, grid.png, samples.npz, manifest.json.")
 flags.DEFINE_bool("npz", True, "Also write samples.npz (uint8 NHWC under arr_0) once all images exist.")
 flags.DEFINE_integer("num_gpus", 1, "Spread the images over this many GPUs (megengine.distributed).")
+define_guidance_flags()
 
 
 def main(argv):
@@ -41,10 +44,12 @@ def main(argv):
         if FLAGS.num_images < 1 or FLAGS.batch_size < 1 or FLAGS.num_gpus < 1:
             raise UsageError("--num_images, --batch_size and --num_gpus must be positive")
         job = sampling.SampleJob(FLAGS.ckpt, FLAGS.output, FLAGS.num_images, FLAGS.seed, FLAGS.sampler, FLAGS.steps,
-                                 FLAGS.respacing, FLAGS.eta, FLAGS.batch_size, FLAGS.ema, npz=FLAGS.npz)
+                                 FLAGS.respacing, FLAGS.eta, FLAGS.batch_size, FLAGS.ema, npz=FLAGS.npz,
+                                 guide_ckpt=FLAGS.guide_ckpt, guidance=FLAGS.guidance)
         step = sampling.run_job(job, FLAGS.num_gpus)
+    guided = f", guided by {FLAGS.guide_ckpt} with w={FLAGS.guidance:g}" if FLAGS.guide_ckpt else ""
     print(f"{FLAGS.num_images} images in {FLAGS.output} (grid.png{', samples.npz' if FLAGS.npz else ''}), "
-          f"from {FLAGS.ckpt} step {step}, {'EMA' if FLAGS.ema else 'raw'} weights")
+          f"from {FLAGS.ckpt} step {step}, {'EMA' if FLAGS.ema else 'raw'} weights{guided}")
 
 
 def run():

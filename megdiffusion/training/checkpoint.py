@@ -40,6 +40,10 @@ NETWORK_FIELDS = ("image_size", "image_channels", "model_channels", "channel_mul
 # Config fields a resumed run must share with its checkpoint (the network and the maths).
 RECIPE_FIELDS = NETWORK_FIELDS + ("num_timesteps", "beta_schedule", "mean_type", "var_type", "loss_type",
                                   "min_snr_gamma")
+# Config fields a guiding model (``sampling.load_guidance``) must share with the sampled one: what the network sees
+# and what it predicts.
+GUIDE_FIELDS = ("image_size", "image_channels", "rescale_timesteps", "num_timesteps", "beta_schedule", "mean_type",
+                "var_type")
 RNG_SCHEME = "numpy default_rng([seed, rank, step])"  # trainer.step_rng
 _NAME = re.compile(r"^ckpt_(\d+)\.pkl$")
 
