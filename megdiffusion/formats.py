@@ -386,7 +386,7 @@ def check_diffusers_config(config):
 
 
 _VARIANCES = {"fixed_large": "fixedlarge", "fixed_small": "fixedsmall", "fixed_small_log": "fixedsmall"}
-_PREDICTIONS = {"epsilon": "eps", "sample": "xstart"}
+_PREDICTIONS = {"epsilon": "eps", "sample": "xstart", "v_prediction": "v"}  # v: the same definition as ours
 
 
 def check_scheduler_config(config):

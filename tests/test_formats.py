@@ -309,11 +309,17 @@ def test_published_models_record_their_schedule_and_variance(unet, scheduler):
     assert network["downsample_padding"] == "bottom_right" and network["norm_eps"] == 1e-6
 
 
+@pytest.mark.parametrize("prediction, mean_type", [("epsilon", "eps"), ("sample", "xstart"), ("v_prediction", "v")])
+def test_scheduler_predictions_map_to_mean_types(prediction, mean_type):
+    config = {**_published_configs()[0][1], "prediction_type": prediction}
+    assert formats.check_scheduler_config(config)["mean_type"] == mean_type
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(beta_schedule="scaled_linear"), "only the linear schedule converts"),
     (dict(beta_end=0.01), "are not megdiffusion's linear schedule"),
     (dict(variance_type="learned_range"), "variance_type='learned_range'"),
-    (dict(prediction_type="v_prediction"), "prediction_type='v_prediction'"),
+    (dict(prediction_type="flow"), "prediction_type='flow'"),
     (dict(clip_sample=False), "does not clip x_0"),
 ])
 def test_schedules_megdiffusion_does_not_have_are_refused(change, message):
