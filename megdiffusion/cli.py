@@ -83,4 +83,5 @@ def define_guidance_flags():
                         "one with, such as an earlier checkpoint of the same run (file or logdir); each step then "
                         "calls both networks.")
     flags.DEFINE_float("guidance", 1.0, "With --guide_ckpt: the guidance weight w, prediction = guide + w (model - "
-                       "guide); 1 is no guidance. The CPU recipe's demo uses 2.5 with its half-way checkpoint.")
+                       "guide); 1 is no guidance. The demo uses 2.5 with the checkpoint 40% of the way through its "
+                       "training.")

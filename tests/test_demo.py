@@ -32,7 +32,7 @@ def test_demo_trains_samples_scores_and_resumes(tmp_path):
     assert np.isfinite(summary["fid"]) and summary["fid"] > 0 and summary["fid_num_images"] == 4
     assert 0 < summary["fid_floor"] < summary["fid"]  # 4 real images are closer to the data than 4 barely trained
     assert summary["sampler"] == "ddpm-2"  # the recipe's --sample_sampler unless --sampler says otherwise
-    # Guided by the model at the end of the first half of the training (saved as guide.pkl).
+    # Guided by the model 40% of the way through the training (saved as guide.pkl).
     assert summary["guidance"] == 2.5 and 0 <= summary["guide_step"] <= summary["steps"]
     assert f"guided by the step-{summary['guide_step']} model with w=2.5" in first.stdout
     assert load_checkpoint(str(output / "guide.pkl"))["step"] == summary["guide_step"]
@@ -51,12 +51,12 @@ def test_demo_trains_samples_scores_and_resumes(tmp_path):
     after = json.loads((output / "summary.json").read_text())
     assert after["steps"] == summary["steps"] + after["steps_this_run"] > summary["steps"]
 
-    # An image budget: 20 images at the recipe's batch of 16 are two steps, on top of the resumed ones; the guide
-    # is the model after the first of them.
-    by_images = run_demo(output, home, "--resume", budget=("--images=20",))
+    # An image budget: 70 images at the recipe's batch of 16 are five steps, on top of the resumed ones; the guide
+    # is the model after the first two of them (40%).
+    by_images = run_demo(output, home, "--resume", budget=("--images=70",))
     assert by_images.returncode == 0, by_images.stderr
     imaged = json.loads((output / "summary.json").read_text())
-    assert imaged["steps"] == after["steps"] + 2 and imaged["guide_step"] == after["steps"] + 1
+    assert imaged["steps"] == after["steps"] + 5 and imaged["guide_step"] == after["steps"] + 2
 
     restarted = run_demo(output, home, "--sampler=ddim", "--guidance=1")
     assert restarted.returncode == 0, restarted.stderr
