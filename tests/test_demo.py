@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from megdiffusion.training.checkpoint import load_checkpoint
@@ -51,12 +52,15 @@ def test_demo_trains_samples_scores_and_resumes(tmp_path):
     after = json.loads((output / "summary.json").read_text())
     assert after["steps"] == summary["steps"] + after["steps_this_run"] > summary["steps"]
 
-    # An image budget: 70 images at the recipe's batch of 16 are five steps, on top of the resumed ones; the guide
-    # is the model after the first two of them (40%).
+    # An image budget: 70 images at the recipe's batch of 16 are five steps, on top of the resumed ones. The guide is
+    # the checkpoint 40% of the way to the final step, or, when the runs before have passed that point, their guide.
     by_images = run_demo(output, home, "--resume", budget=("--images=70",))
     assert by_images.returncode == 0, by_images.stderr
     imaged = json.loads((output / "summary.json").read_text())
-    assert imaged["steps"] == after["steps"] + 5 and imaged["guide_step"] == after["steps"] + 2
+    start = after["steps"]
+    assert imaged["steps"] == start + 5
+    point = 0.4 * (start + 5)
+    assert imaged["guide_step"] == (after["guide_step"] if point <= start else int(point))
 
     restarted = run_demo(output, home, "--sampler=ddim", "--guidance=1")
     assert restarted.returncode == 0, restarted.stderr
@@ -91,6 +95,15 @@ def test_demo_refuses_floor_images_that_overlap_the_reference(tmp_path):
         "error: --num_images 6000 + --num_reference 5000 is more than the 10000 training images: the floor's real "
         "images must be apart from the reference"]
     assert not output.exists()
+
+
+def test_the_guide_sits_40_percent_of_the_way_to_the_final_step():
+    from megdiffusion.scripts.demo import guide_fraction
+
+    assert guide_fraction(0, 2813) == 0.4
+    fraction = guide_fraction(1000, 4000)  # final step 5000: the guide at 2000, 1000 steps into this run
+    assert 1000 + fraction * 4000 == pytest.approx(2000)
+    assert guide_fraction(1407, 1406) == 0  # 40% of 2813 (1125) was passed before: the earlier run's guide stays
 
 
 def test_verdict_is_close_within_one_and_a_half_floors():

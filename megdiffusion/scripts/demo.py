@@ -47,10 +47,10 @@ flags.DEFINE_integer("batch_size", 100, "Sampling and Inception batch size.")
 # Autoguidance on the recipe's 45,000-image checkpoint, DDPM-50: 66.2 unguided; with the guide at half the steps
 # 60.1, 55.9, 54.9 and 55.0 for w 1.5, 2, 2.5 and 3 (benchmarks/README.md, "Autoguidance").
 flags.DEFINE_float("guidance", 2.5, "Autoguidance weight: samples are guided by the model 40% of the way through "
-                   "this run's training (Karras et al. 2024); 1 turns it off.", lower_bound=1.0)
+                   "the training (Karras et al. 2024); 1 turns it off.", lower_bound=1.0)
 
 MARKER = "demo.json"
-GUIDE = "guide.pkl"  # the checkpoint GUIDE_FRACTION of the way through this run's training
+GUIDE = "guide.pkl"  # the checkpoint GUIDE_FRACTION of the way to the final step (``guide_fraction``)
 # Where the guide is taken (DDPM-50, w 2.5, 45,000 images): at 25% of the steps FID 55.2, 37% 51.9, 50% 54.9, 75% 61.7.
 GUIDE_FRACTION = 0.4
 KEPT_ON_RESTART = ("cache", "reference")
@@ -62,6 +62,22 @@ def verdict(fid, floor):
     if fid <= CLOSE_TO_FLOOR * floor:
         return "samples close to the data"
     return "still far from the data; train longer with --resume"
+
+
+def guide_fraction(start_step, run_steps):
+    """The fraction of this run's ``run_steps`` after which the guide is taken: the point ``GUIDE_FRACTION`` of
+    the way from step 0 to the final step; 0 when a resumed run (from ``start_step``) is already past it."""
+    return max(0.0, (GUIDE_FRACTION * (start_step + run_steps) - start_step) / run_steps)
+
+
+def previous_steps_per_minute(output, batch_size):
+    """Training steps per minute of the previous demo in ``output`` (its summary.json), to place the guide of a
+    resumed time budget; 0 when unknown."""
+    try:
+        with open(os.path.join(output, "summary.json")) as f:
+            return 60 * float(json.load(f)["train_images_per_s"]) / batch_size
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def prepare_output(output, resume):
@@ -77,7 +93,7 @@ def prepare_output(output, resume):
 def demo(output, minutes, resume, config_path, num_images, num_reference, sampler, steps, batch_size,
          train_images=None, guidance=1.0):
     """Check everything, then (``output`` locked) train for ``minutes`` or ``train_images`` (this run), sample
-    (guided by the model ``GUIDE_FRACTION`` of the way through this run's training when ``guidance`` > 1), draw
+    (guided by the model ``GUIDE_FRACTION`` of the way through the training when ``guidance`` > 1), draw
     grids and score;
     returns the summary dict (also written to summary.json)."""
     from megdiffusion.cli import UsageError
@@ -91,18 +107,26 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
     from megdiffusion.training.trainer import train
 
     logdir = os.path.join(output, "train")
+    guide_path = os.path.join(output, GUIDE)
     latest = load_latest(logdir) if resume else None
     start_step = latest[0]["step"] if latest else 0
     # A time budget keeps the recipe's --total_steps as the cap (and the progress bar's total); an image budget
     # ends the run at its step.
-    # Training runs in two parts (exact resume: the same as one run) so that the first part's end can guide.
     cfg, images = config_from_flagfile(config_path, logdir=logdir, resume=latest is not None,
-                                       time_limit_minutes=(minutes or 0) * GUIDE_FRACTION)
-    second = dataclasses.replace(cfg, resume=True, time_limit_minutes=(minutes or 0) * (1 - GUIDE_FRACTION))
-    if train_images:
-        batches = -(-train_images // cfg.batch_size)
-        cfg = dataclasses.replace(cfg, total_steps=start_step + int(batches * GUIDE_FRACTION))
-        second = dataclasses.replace(second, total_steps=start_step + batches)
+                                       time_limit_minutes=minutes or 0)
+    batches = -(-train_images // cfg.batch_size) if train_images else None
+    if batches:
+        cfg = dataclasses.replace(cfg, total_steps=start_step + batches)
+    # Training runs in two parts (exact resume: the same as one run) so that the first part's end can guide,
+    # unless a resumed run's guide point lies behind it (the previous guide then stays).
+    run_steps = batches or (previous_steps_per_minute(output, cfg.batch_size) * minutes if start_step else 0)
+    fraction = guide_fraction(start_step, run_steps) if run_steps else GUIDE_FRACTION
+    if fraction == 0 and not os.path.isfile(guide_path):
+        fraction = GUIDE_FRACTION
+    first = dataclasses.replace(cfg, time_limit_minutes=(minutes or 0) * fraction,
+                                total_steps=start_step + int(batches * fraction) if batches else cfg.total_steps)
+    second = dataclasses.replace(cfg, resume=cfg.resume or fraction > 0,
+                                 time_limit_minutes=(minutes or 0) * (1 - fraction))
     if num_images + num_reference > len(images):
         raise UsageError(f"--num_images {num_images} + --num_reference {num_reference} is more than the "
                          f"{len(images)} training images: the floor's real images must be apart from the reference")
@@ -111,9 +135,9 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
     with output_directory(output, "--output", MARKER):
         prepare_output(output, resume)
         started = time.monotonic()
-        train(cfg, images)
-        guide_path = os.path.join(output, GUIDE)
-        copy_file(list_checkpoints(logdir)[-1], guide_path)
+        if fraction > 0:
+            train(first, images)
+            copy_file(list_checkpoints(logdir)[-1], guide_path)
         step = train(second, images)
         train_seconds = time.monotonic() - started
 
