@@ -68,12 +68,11 @@ class NativeStep:
         the parameters' current values, one after the other in ``params`` order. Group g draws its dropout masks from
         ``np.random.default_rng([dropout_seed, g])``."""
         coef = {name: values[t] for name, values in self.coefficients.items()}
-        x_t = (coef["sqrt_alphas_cumprod"].reshape(-1, 1, 1, 1) * x0
-               + coef["sqrt_one_minus_alphas_cumprod"].reshape(-1, 1, 1, 1) * noise)
-        targets = {"eps": noise, "xstart": x0,
-                   "v": coef["sqrt_alphas_cumprod"].reshape(-1, 1, 1, 1) * noise
-                   - coef["sqrt_one_minus_alphas_cumprod"].reshape(-1, 1, 1, 1) * x0}
-        target = targets[self.diffusion.mean_type]
+        signal = coef["sqrt_alphas_cumprod"].reshape(-1, 1, 1, 1)
+        noise_scale = coef["sqrt_one_minus_alphas_cumprod"].reshape(-1, 1, 1, 1)
+        x_t = signal * x0 + noise_scale * noise
+        mean_type = self.diffusion.mean_type
+        target = noise if mean_type == "eps" else x0 if mean_type == "xstart" else signal * noise - noise_scale * x0
         temb_in = timestep_embedding(self.diffusion.model_timesteps(t), self.model.model_channels,
                                      self.model.time_embedding).numpy()
         groups = [(x_t[p], target[p], coef["mse_weight"][p], temb_in[p], [dropout_seed, g])

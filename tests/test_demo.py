@@ -66,6 +66,7 @@ def test_demo_trains_samples_scores_and_resumes(tmp_path):
     assert restarted.returncode == 0, restarted.stderr
     again = json.loads((output / "summary.json").read_text())
     assert again["steps_this_run"] == again["steps"] and again["sampler"] == "ddim-2" and again["guidance"] == 1
+    assert again["guide_step"] is None  # no guide loaded when unguided
     assert "guided" not in restarted.stdout
 
 

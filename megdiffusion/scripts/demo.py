@@ -93,9 +93,8 @@ def prepare_output(output, resume):
 def demo(output, minutes, resume, config_path, num_images, num_reference, sampler, steps, batch_size,
          train_images=None, guidance=1.0):
     """Check everything, then (``output`` locked) train for ``minutes`` or ``train_images`` (this run), sample
-    (guided by the model ``GUIDE_FRACTION`` of the way through the training when ``guidance`` > 1), draw
-    grids and score;
-    returns the summary dict (also written to summary.json)."""
+    (guided by the model ``GUIDE_FRACTION`` of the way through the training when ``guidance`` > 1), draw grids
+    and score; returns the summary dict (also written to summary.json)."""
     from megdiffusion.cli import UsageError
     from megdiffusion.evaluate import model_fid, reference_statistics
     from megdiffusion.metrics.fid import frechet_distance
@@ -142,15 +141,17 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
         train_seconds = time.monotonic() - started
 
         model, diffusion, _, _ = load_model(logdir, ema=True)
-        guide, _, _, guide_step = load_model(guide_path, ema=True)
+        guide, guide_step = None, None
+        if guidance > 1:
+            guide_model, _, _, guide_step = load_model(guide_path, ema=True)
+            guide = Autoguidance(guide_model, guidance)
         cache = os.path.join(output, "reference", "fashion_mnist_{}{}.npz")
         reference = reference_statistics(images[:num_reference], cache.format("first", num_reference), batch_size,
                                          progress=True)
         real = reference_statistics(images[-num_images:], cache.format("last", num_images), batch_size, progress=True)
         floor = float(frechet_distance(*real, *reference))
         fid, samples = model_fid(model, diffusion, cfg.image_shape, reference, num_images, cfg.seed, sampler, steps,
-                                 batch_size=batch_size, progress=True,
-                                 guidance=Autoguidance(guide, guidance) if guidance > 1 else None)
+                                 batch_size=batch_size, progress=True, guidance=guide)
         save_png(os.path.join(output, "samples.png"), make_grid(samples[:64], nrow=8))
         save_png(os.path.join(output, "real.png"), make_grid(images[:64], nrow=8))
         save_npz(os.path.join(output, "samples.npz"), arr_0=samples)
@@ -160,7 +161,7 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
                    "fid": round(float(fid), 2), "fid_num_images": num_images,
                    "fid_floor": round(floor, 2), "verdict": verdict(float(fid), floor),
                    "fid_reference": f"the first {num_reference} embedded Fashion-MNIST images",
-                   "sampler": f"{sampler}-{steps}", "guidance": guidance, "guide_step": int(guide_step),
+                   "sampler": f"{sampler}-{steps}", "guidance": guidance, "guide_step": guide_step,
                    "samples_grid": os.path.join(output, "samples.png"),
                    "real_grid": os.path.join(output, "real.png")}
         write_text(os.path.join(output, "summary.json"), json.dumps(summary, indent=2) + "\n")
