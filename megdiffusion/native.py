@@ -63,14 +63,15 @@ class NativeStep:
                              ("sqrt_alphas_cumprod", "sqrt_one_minus_alphas_cumprod", "mse_weight")}
         self.workers = None
 
-    def loss_and_gradients(self, flat_weights, x0, t, noise, dropout_seed=0):
-        """(loss, flat gradient) for the batch x0 at timesteps ``t`` (int, (N,)) with ``noise``; ``flat_weights``:
-        the parameters' current values, one after the other in ``params`` order. Group g draws its dropout masks from
+    def loss_and_gradients(self, flat_weights, x0, t, noise, dropout_seed=0, perturbation=None):
+        """(loss, flat gradient) for the batch x0 at timesteps ``t`` (int, (N,)) with ``noise`` (and
+        ``perturbation`` added to the noise of x_t only, as ``training_losses``); ``flat_weights``: the parameters'
+        current values, one after the other in ``params`` order. Group g draws its dropout masks from
         ``np.random.default_rng([dropout_seed, g])``."""
         coef = {name: values[t] for name, values in self.coefficients.items()}
         signal = coef["sqrt_alphas_cumprod"].reshape(-1, 1, 1, 1)
         noise_scale = coef["sqrt_one_minus_alphas_cumprod"].reshape(-1, 1, 1, 1)
-        x_t = signal * x0 + noise_scale * noise
+        x_t = signal * x0 + noise_scale * (noise if perturbation is None else noise + perturbation)
         mean_type = self.diffusion.mean_type
         target = noise if mean_type == "eps" else x0 if mean_type == "xstart" else signal * noise - noise_scale * x0
         temb_in = timestep_embedding(self.diffusion.model_timesteps(t), self.model.model_channels,

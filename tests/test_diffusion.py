@@ -227,6 +227,29 @@ def test_min_snr_weighting(mean_type):
         GaussianDiffusion(betas, mean_type="xprev", min_snr_gamma=5.0)
 
 
+@pytest.mark.parametrize("mean_type", ["eps", "v"])
+def test_input_perturbation_moves_x_t_and_not_the_target(mean_type):
+    """With a perturbation p, the network sees sqrt(alpha_bar) x_0 + sqrt(1 - alpha_bar) (noise + p) (from an
+    independent product) while the target is the unperturbed one (the noise, or v of the noise)."""
+    betas = make_beta_schedule("cosine", 1000)
+    rng = np.random.default_rng(5)
+    x0 = rng.uniform(-1, 1, (3, 1, 4, 4))
+    noise, p = rng.standard_normal((2, 3, 1, 4, 4))
+    ts = np.array([3, 500, 990])
+    seen = []
+
+    def model(x, t):
+        seen.append(x.numpy())
+        return x * 0
+
+    terms = GaussianDiffusion(betas, mean_type=mean_type).training_losses(model, tensor(x0), ts, tensor(noise),
+                                                                         tensor(0.1 * p))
+    ab = alpha_bar(betas)[ts].reshape(-1, 1, 1, 1)
+    np.testing.assert_allclose(seen[0], np.sqrt(ab) * x0 + np.sqrt(1 - ab) * (noise + 0.1 * p), rtol=1e-5, atol=1e-6)
+    target = noise if mean_type == "eps" else np.sqrt(ab) * noise - np.sqrt(1 - ab) * x0
+    np.testing.assert_allclose(terms["loss"].numpy(), (target ** 2).reshape(3, -1).mean(axis=1), rtol=1e-5)
+
+
 def test_training_loss_draws_timesteps_in_range():
     d = GaussianDiffusion(make_beta_schedule("linear", 100))
     seen = []

@@ -97,11 +97,13 @@ def test_the_numpy_pass_is_the_unet_and_its_gradients(name):
     assert_gradients_close(grads, expected_grads)
 
 
-@pytest.mark.parametrize("loss", [dict(), dict(mean_type="xstart", min_snr_gamma=5.0), dict(mean_type="v")],
-                         ids=["eps", "xstart-minsnr", "v"])
+@pytest.mark.parametrize("loss", [dict(), dict(mean_type="xstart", min_snr_gamma=5.0), dict(mean_type="v"),
+                                  dict(input_perturbation=0.1)],
+                         ids=["eps", "xstart-minsnr", "v", "input-perturbation"])
 def test_native_loss_and_gradients_are_training_losses(tiny_config, loss):
     """NativeStep on a batch of 20 (three groups: a worker process computes some) against the batch mean of
-    ``training_losses`` through MegEngine's autodiff, with Min-SNR weights and the x_0 and v targets too."""
+    ``training_losses`` through MegEngine's autodiff, with Min-SNR weights, the x_0 and v targets and input
+    perturbation too."""
     cfg = tiny_config(channel_mult=(1, 2), attention_resolutions=(4,), norm_groups=4, num_timesteps=100, **loss)
     mge.random.seed(0)
     model = randomised(build_model(cfg))
@@ -111,17 +113,21 @@ def test_native_loss_and_gradients_are_training_losses(tiny_config, loss):
     x0 = rng.uniform(-1, 1, (20, 1, 8, 8)).astype(np.float32)
     t = rng.integers(0, 100, 20).astype(np.int32)
     noise = rng.standard_normal(x0.shape).astype(np.float32)
+    perturbation = (np.float32(cfg.input_perturbation) * rng.standard_normal(x0.shape).astype(np.float32)
+                    if cfg.input_perturbation else None)
     params = list(model.parameters())
     losses = []
 
     def mean_loss():
-        losses.append(diffusion.training_losses(model, mge.tensor(x0), mge.tensor(t), mge.tensor(noise))["loss"].mean())
+        losses.append(diffusion.training_losses(model, mge.tensor(x0), mge.tensor(t), mge.tensor(noise),
+                                                None if perturbation is None else mge.tensor(perturbation))
+                      ["loss"].mean())
         return losses[0]
 
     expected_grads = megengine_gradients(params, mean_loss)
     step = native.NativeStep(model, diffusion, params)
     flat = np.concatenate([p.numpy().reshape(-1) for p in params])
-    loss_value, gradient = step.loss_and_gradients(flat, x0, t, noise)
+    loss_value, gradient = step.loss_and_gradients(flat, x0, t, noise, perturbation=perturbation)
     assert loss_value == pytest.approx(float(losses[0].numpy()), rel=1e-5)
     bounds = np.cumsum([0] + [int(np.prod(p.shape)) for p in params])
     assert_gradients_close([gradient[a:b].reshape(p.shape) for a, b, p in zip(bounds, bounds[1:], params)],
@@ -139,10 +145,12 @@ def batch(seed, n=16):
     return np.random.default_rng(seed).uniform(-1, 1, (n, 1, 8, 8)).astype(np.float32)
 
 
-def test_native_steps_are_megengine_steps(tiny_config, fast_path):
+@pytest.mark.parametrize("input_perturbation", [0.0, 0.1])
+def test_native_steps_are_megengine_steps(tiny_config, fast_path, input_perturbation):
     """Three Trainer steps of batch 16 through the numpy pass and through MegEngine's autodiff (both with the numpy
-    update): the same losses, gradient norms and weights up to float32 rounding."""
-    cfg = tiny_config(batch_size=16, channel_mult=(1, 2), attention_resolutions=(4,), norm_groups=4, lr=1e-3)
+    update): the same losses, gradient norms and weights up to float32 rounding, with input perturbation too."""
+    cfg = tiny_config(batch_size=16, channel_mult=(1, 2), attention_resolutions=(4,), norm_groups=4, lr=1e-3,
+                      input_perturbation=input_perturbation)
     numpy_run, autodiff = Trainer(cfg), Trainer(cfg)
     autodiff.native_step = None
     assert numpy_run.native_step is not None

@@ -300,6 +300,19 @@ def test_flat_steps_do_not_depend_on_thread_counts(tiny_config, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
+def test_input_perturbation_is_a_draw_after_the_others(tiny_config):
+    """The perturbation changes the losses (once the network has learned to read its input: its initial output is
+    near zero, whatever the input); scaled down to 1e-6 it leaves them where they are without one, so the timesteps
+    and noise it is added to are the same draws."""
+    def losses(ip):
+        trainer = Trainer(tiny_config(input_perturbation=ip, lr=1e-2, warmup_steps=0))
+        return np.array([trainer.step(toy_batch(seed=k))["loss"] for k in range(4)])
+
+    plain = losses(0.0)
+    np.testing.assert_allclose(losses(1e-6), plain, rtol=1e-3)
+    assert abs(losses(0.5)[-1] - plain[-1]) > 0.05 * plain[-1]
+
+
 def test_ranks_draw_different_timesteps_and_noise(tiny_config):
     first = Trainer(tiny_config(), world_size=1, rank=0)
     other = Trainer(tiny_config(), world_size=1, rank=1)  # world_size 1: no collective calls on CPU

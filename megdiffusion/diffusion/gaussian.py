@@ -256,16 +256,17 @@ class GaussianDiffusion:
         """n timestep indices drawn uniformly from 0..num_timesteps-1 with MegEngine's global RNG."""
         return F.minimum(F.floor(megengine.random.uniform(0, self.num_timesteps, size=(n,))), self.num_timesteps - 1)
 
-    def training_losses(self, model, x0, t=None, noise=None):
+    def training_losses(self, model, x0, t=None, noise=None, perturbation=None):
         """Per-sample losses (each shape (N,)) at x_t ~ q(x_t | x_0): ``mse`` between the model's prediction and
         its target (the noise, x_0 or the posterior mean, by mean type), with a learned variance ``vb``, the
         variational-bound term in bits with the prediction behind a stop-gradient (so it trains only the
         variance; times T / 1000 for "hybrid"), and ``loss`` = mse (+ vb). t defaults to uniform draws and noise
-        to standard normal, both from MegEngine's global RNG."""
+        to standard normal, both from MegEngine's global RNG. ``perturbation`` (input perturbation, Ning et al.
+        2023): added to the noise that makes x_t, not to the target's."""
         t = _as_timesteps(self._draw_timesteps(x0.shape[0]) if t is None else t)
         if noise is None:
             noise = megengine.random.normal(size=x0.shape)
-        x_t = self.q_sample(x0, t, noise)
+        x_t = self.q_sample(x0, t, noise if perturbation is None else noise + perturbation)
         output = self.run_model(model, x_t, t)
         prediction, values = self.split_output(output)
         if self.mean_type == "eps":

@@ -90,6 +90,10 @@ class TrainConfig:
                                  "(min(SNR_t, gamma) / SNR_t for eps prediction, min(SNR_t, gamma) for xstart, "
                                  "min(SNR_t, gamma) / (SNR_t + 1) for v; "
                                  "Hang et al. 2023 use 5).", min=0)
+    input_perturbation: float = _flag(0.0, "Input perturbation (DDPM-IP, Ning et al. 2023): x_t is made from the "
+                                      "noise plus this times a second standard-normal draw, the target from the "
+                                      "noise alone, so that training sees inputs as off as sampling's; 0: off "
+                                      "(the paper: 0.1).", min=0)
     rescale_timesteps: bool = _flag(False, "The network sees t * 1000 / T (fractional) instead of t, as "
                                     "improved-diffusion's models do.")
     # Optimisation
@@ -252,6 +256,9 @@ def validate(cfg):
         diffusion = build_diffusion(cfg)
     except ValueError as err:
         raise ConfigError(f"bad diffusion flags: {err}") from None
+    if cfg.input_perturbation and cfg.mean_type == "xprev":
+        raise ConfigError("--input_perturbation needs --mean_type eps, xstart or v: the xprev target is made from "
+                          "the perturbed x_t")
     try:
         if cfg.sample_every or cfg.fid_every:  # the only users of the sampler settings
             diffusion.check_sampling(cfg.sample_sampler, cfg.sample_steps)

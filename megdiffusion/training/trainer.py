@@ -132,6 +132,8 @@ class Trainer:
         t = rng.integers(0, self.diffusion.num_timesteps, size=len(x0)).astype(np.int32)
         noise = rng.standard_normal(x0.shape, dtype=np.float32)
         dropout_seed = int(rng.integers(2 ** 31))
+        perturbation = (np.float32(cfg.input_perturbation) * rng.standard_normal(x0.shape, dtype=np.float32)
+                        if cfg.input_perturbation else None)
         mge.random.seed(dropout_seed)
         lr = warmup_lr(cfg, self.step_count)
         for group in self._optimizer.param_groups:
@@ -143,11 +145,12 @@ class Trainer:
         if on_native:
             flat_update = self._flat_update()
             loss, flat_update.grad = self.native_step.loss_and_gradients(flat_update.param, x0, t, noise,
-                                                                         dropout_seed)
+                                                                         dropout_seed, perturbation)
         else:
             with self.grad_manager:
-                loss = self.diffusion.training_losses(self._model, mge.tensor(x0), mge.tensor(t),
-                                                      mge.tensor(noise))["loss"].mean()
+                loss = self.diffusion.training_losses(
+                    self._model, mge.tensor(x0), mge.tensor(t), mge.tensor(noise),
+                    None if perturbation is None else mge.tensor(perturbation))["loss"].mean()
                 self.grad_manager.backward(loss)
             loss = loss.item()
         flat = on_native or (fast_conv_enabled() and all(p.grad is not None for p in self.params))
