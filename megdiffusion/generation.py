@@ -13,10 +13,12 @@ call per step. On the CPU recipe, with the half-way checkpoint as the bad model,
 45,000 training images (benchmarks/README.md, "Autoguidance").
 """
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
+import megengine as mge
 import megengine.functional as F
 
 from megdiffusion.diffusion.samplers import eval_mode
@@ -39,8 +41,8 @@ class _Guided:
     def __init__(self, good, bad, weight, channels):
         self.good, self.bad, self.weight, self.channels = good, bad, weight, channels
 
-    def __call__(self, x, t):
-        good, bad = self.good(x, t), self.bad(x, t)
+    def __call__(self, x, t, **labels):
+        good, bad = self.good(x, t, **labels), self.bad(x, t, **labels)
         guided = bad + self.weight * (good - bad)
         if good.shape[1] == self.channels:
             return guided
@@ -52,13 +54,20 @@ def image_seed(seed, index):
     return (int(seed) << 32) + int(index)
 
 
+def image_classes(num_classes, indices):
+    """The class labels of images ``indices`` of a class-conditional model: image i is of class i mod
+    ``num_classes``, so every run of n images holds each class n / num_classes times (rounded)."""
+    return np.asarray(indices, dtype=np.int64).astype(np.int32) % num_classes
+
+
 def generate_images(model, diffusion, image_shape, indices, seed, sampler="ddpm", steps=None, eta=0.0,
                     batch_size=64, progress=None, respacing=None, guidance=None):
     """Sample the images ``indices`` of a run (each from ``image_seed(seed, i)``) as uint8 NHWC.
 
     ``image_shape`` is (C, H, W); ``progress`` is an optional tqdm bar advanced per image; ``respacing`` (instead
-    of ``steps``): see ``GaussianDiffusion.sample``; ``guidance``: an ``Autoguidance``, or None. Bad sampler
-    settings raise ValueError (``GaussianDiffusion.check_sampling``), even for no indices.
+    of ``steps``): see ``GaussianDiffusion.sample``; ``guidance``: an ``Autoguidance``, or None. A class-conditional
+    model (``num_classes`` > 0) draws image i of class ``image_classes``. Bad sampler settings raise ValueError
+    (``GaussianDiffusion.check_sampling``), even for no indices.
     """
     diffusion.check_sampling(sampler, steps, eta, respacing)
     indices = list(indices)
@@ -67,9 +76,13 @@ def generate_images(model, diffusion, image_shape, indices, seed, sampler="ddpm"
         network = _network(model, stack) if indices else model
         if guidance is not None and indices:
             network = _Guided(network, _network(guidance.model, stack), guidance.weight, image_shape[0])
+        num_classes = getattr(model, "num_classes", 0)
         for start in range(0, len(indices), batch_size):
             chunk = indices[start:start + batch_size]
-            x = diffusion.sample(network, (len(chunk),) + tuple(image_shape), sampler=sampler, steps=steps, eta=eta,
+            conditioned = network
+            if num_classes:
+                conditioned = functools.partial(network, y=mge.tensor(image_classes(num_classes, chunk)))
+            x = diffusion.sample(conditioned, (len(chunk),) + tuple(image_shape), sampler=sampler, steps=steps, eta=eta,
                                  seeds=[image_seed(seed, i) for i in chunk], respacing=respacing)
             out.append(to_uint8(x))
             if progress is not None:

@@ -46,6 +46,11 @@ def _groups(n):
     return [slice(start, start + GROUP) for start in range(0, n, GROUP)]
 
 
+def _part(labels, rows):
+    """The class labels of ``rows``, or None for an unconditional network."""
+    return None if labels is None else labels[rows]
+
+
 def _workers(model, shapes, groups):
     """A ``GroupWorkers`` with as many processes as the cores and the groups allow."""
     return GroupWorkers(model, shapes, min(THREADS, groups) - 1)
@@ -63,11 +68,11 @@ class NativeStep:
                              ("sqrt_alphas_cumprod", "sqrt_one_minus_alphas_cumprod", "mse_weight")}
         self.workers = None
 
-    def loss_and_gradients(self, flat_weights, x0, t, noise, dropout_seed=0, perturbation=None):
+    def loss_and_gradients(self, flat_weights, x0, t, noise, dropout_seed=0, perturbation=None, labels=None):
         """(loss, flat gradient) for the batch x0 at timesteps ``t`` (int, (N,)) with ``noise`` (and
-        ``perturbation`` added to the noise of x_t only, as ``training_losses``); ``flat_weights``: the parameters'
-        current values, one after the other in ``params`` order. Group g draws its dropout masks from
-        ``np.random.default_rng([dropout_seed, g])``."""
+        ``perturbation`` added to the noise of x_t only, as ``training_losses``) and, for a class-conditional
+        network, the class ``labels`` (N,); ``flat_weights``: the parameters' current values, one after the other in
+        ``params`` order. Group g draws its dropout masks from ``np.random.default_rng([dropout_seed, g])``."""
         coef = {name: values[t] for name, values in self.coefficients.items()}
         signal = coef["sqrt_alphas_cumprod"].reshape(-1, 1, 1, 1)
         noise_scale = coef["sqrt_one_minus_alphas_cumprod"].reshape(-1, 1, 1, 1)
@@ -76,7 +81,7 @@ class NativeStep:
         target = noise if mean_type == "eps" else x0 if mean_type == "xstart" else signal * noise - noise_scale * x0
         temb_in = timestep_embedding(self.diffusion.model_timesteps(t), self.model.model_channels,
                                      self.model.time_embedding).numpy()
-        groups = [(x_t[p], target[p], coef["mse_weight"][p], temb_in[p], [dropout_seed, g])
+        groups = [(x_t[p], target[p], coef["mse_weight"][p], temb_in[p], _part(labels, p), [dropout_seed, g])
                   for g, p in enumerate(_groups(len(x0)))]
         if self.workers is None:
             self.workers = _workers(self.model, self.shapes, len(groups))
@@ -88,9 +93,9 @@ class NativeStep:
 
 
 class NativeModel:
-    """``model`` (a ``UNet``) in eval mode, called like it (``native_model(x, t)``, MegEngine tensors in and out) and
-    computed by ``nn.numpy_unet``, with the weights ``model`` had when this was made. ``for_sampling`` says when
-    to use one; ``close()`` stops its worker processes."""
+    """``model`` (a ``UNet``) in eval mode, called like it (``native_model(x, t[, y])``, MegEngine tensors in and
+    out) and computed by ``nn.numpy_unet``, with the weights ``model`` had when this was made. ``for_sampling`` says
+    when to use one; ``close()`` stops its worker processes."""
 
     def __init__(self, model):
         params = list(model.parameters())
@@ -109,10 +114,11 @@ class NativeModel:
         native = NativeModel(model)
         return model if numpy_unet.unsupported(native.model) else native
 
-    def __call__(self, x, t):
+    def __call__(self, x, t, y=None):
         x = x.numpy()
         temb_in = timestep_embedding(t, self.model.model_channels, self.model.time_embedding).numpy()
-        groups = [(x[p], temb_in[p]) for p in _groups(len(x))]
+        labels = None if y is None else np.asarray(y.numpy() if hasattr(y, "numpy") else y)
+        groups = [(x[p], temb_in[p], _part(labels, p)) for p in _groups(len(x))]
         if self.workers is None:
             self.workers = _workers(self.model, self.shapes, len(groups))
         return mge.tensor(np.concatenate(self.workers.outputs(self.weights, groups)))

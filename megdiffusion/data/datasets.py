@@ -16,7 +16,7 @@ from megdiffusion.images import ImageError, open_image
 from megdiffusion.torch_archive import load_array_pickle
 
 ASSETS = Path(__file__).parent / "assets"
-EMBEDDED_IMAGES = ASSETS / "t10k-images-idx3-ubyte.gz"
+IMAGES, LABELS = "images-idx3", "labels-idx1"  # the two kinds of Fashion-MNIST idx file
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 
 
@@ -24,35 +24,62 @@ class DatasetError(MegdiffusionError):
     """Bad dataset input; the message is one line that says what is wrong and how to fix it."""
 
 
-def read_idx_images(path):
-    """Read an idx3-ubyte image file (optionally gzipped) as uint8 (N, H, W, 1)."""
+def _read_idx(path):
+    """The bytes of an idx file (optionally gzipped) and its big-endian 32-bit header words."""
     opener = gzip.open if str(path).endswith(".gz") else open
     try:
         with opener(path, "rb") as f:
             data = f.read()
     except (OSError, EOFError) as exc:
         raise DatasetError(f"cannot read idx file {path}: {exc}") from None
-    magic, n, h, w = (int.from_bytes(data[i:i + 4], "big") for i in range(0, 16, 4))
+    return data, [int.from_bytes(data[i:i + 4], "big") for i in range(0, min(len(data), 16) // 4 * 4, 4)]
+
+
+def read_idx_images(path):
+    """Read an idx3-ubyte image file (optionally gzipped) as uint8 (N, H, W, 1)."""
+    data, header = _read_idx(path)
+    magic, n, h, w = (header + [0] * 4)[:4]
     if magic != 2051 or len(data) != 16 + n * h * w:
         raise DatasetError(f"{path} is not an idx3 image file (magic {magic}, {len(data)} bytes)")
     return np.frombuffer(data, np.uint8, offset=16).reshape(n, h, w, 1)
 
 
-def _fashion_mnist(path):
+def read_idx_labels(path):
+    """Read an idx1-ubyte label file (optionally gzipped) as int32 (N,)."""
+    data, header = _read_idx(path)
+    magic, n = (header + [0] * 2)[:2]
+    if magic != 2049 or len(data) != 8 + n:
+        raise DatasetError(f"{path} is not an idx1 label file (magic {magic}, {len(data)} bytes)")
+    return np.frombuffer(data, np.uint8, offset=8).astype(np.int32)
+
+
+def _fashion_mnist_file(path, kind):
+    """The Fashion-MNIST idx file of ``kind`` (``IMAGES`` or ``LABELS``) that ``--data_path`` means: the embedded
+    split's without one; beside an images file, the labels file of the same name; in a directory, the train
+    split's, else the test split's."""
     if path is None:
-        return read_idx_images(EMBEDDED_IMAGES)
+        return ASSETS / f"t10k-{kind}-ubyte.gz"
     path = Path(path)
     if path.is_file():
-        return read_idx_images(path)
-    for stem in ("train-images-idx3-ubyte", "t10k-images-idx3-ubyte"):
+        wanted = path.with_name(path.name.replace(IMAGES, kind))
+        if wanted.is_file() and (kind == IMAGES or wanted != path):
+            return wanted
+        raise DatasetError(f"no {kind} file beside {path} (expected {wanted.name}); point --data_path at the "
+                           "directory of the Fashion-MNIST idx files")
+    for stem in (f"train-{kind}-ubyte", f"t10k-{kind}-ubyte"):
         for candidate in (path / stem, path / f"{stem}.gz"):
             if candidate.is_file():
-                return read_idx_images(candidate)
-    raise DatasetError(f"no train-images-idx3-ubyte[.gz] or t10k-images-idx3-ubyte[.gz] in {path}; "
+                return candidate
+    raise DatasetError(f"no train-{kind}-ubyte[.gz] or t10k-{kind}-ubyte[.gz] in {path}; "
                        "point --data_path at the Fashion-MNIST idx files, or omit it for the embedded split")
 
 
-def _cifar10(path):
+def _fashion_mnist(path):
+    return read_idx_images(_fashion_mnist_file(path, IMAGES))
+
+
+def _cifar10_batches(path):
+    """The five training batches of CIFAR-10's python version: dicts with b"data" and b"labels"."""
     if path is None:
         raise DatasetError("cifar10 needs --data_path: the directory of the CIFAR-10 python batches "
                            "(data_batch_1 .. data_batch_5)")
@@ -63,13 +90,19 @@ def _cifar10(path):
     missing = [b.name for b in batches if not b.is_file()]
     if missing:
         raise DatasetError(f"CIFAR-10 python batches missing in {path}: {', '.join(missing)}")
-    arrays = []
+    contents = []
     for batch in batches:
         try:
             # The official batches are pickled dicts of numpy arrays and lists (Python 2 pickles).
-            arrays.append(np.asarray(load_array_pickle(batch, encoding="bytes")[b"data"], dtype=np.uint8))
+            content = load_array_pickle(batch, encoding="bytes")
+            contents.append({key: np.asarray(content[key]) for key in (b"data", b"labels")})
         except Exception as exc:  # noqa: BLE001 - any failure means an unreadable batch
             raise DatasetError(f"cannot read CIFAR-10 batch {batch}: {exc}") from None
+    return contents
+
+
+def _cifar10(path):
+    arrays = [batch[b"data"].astype(np.uint8) for batch in _cifar10_batches(path)]
     # Rows are 3072 bytes: the R, G and B planes of a 32x32 image, in that order (RGB, unlike MegEngine's CIFAR10).
     return np.concatenate(arrays).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
 
@@ -142,6 +175,40 @@ def _resize_all(images, size):
         resized = _centre_crop_resize(Image.fromarray(image.squeeze(2) if mode == "L" else image, mode), size)
         out[i] = np.asarray(resized).reshape(size, size, -1)
     return out
+
+
+def _npz_labels(path):
+    arrays = read_npz(path) if path is not None and Path(path).is_file() else {}
+    if "arr_1" not in arrays:
+        raise DatasetError(f"--data_path {path} has no class labels: a class-conditional run (--num_classes) on an "
+                           "npz needs them under 'arr_1' (integers, one per image of 'arr_0')")
+    return arrays["arr_1"]
+
+
+def _no_labels(path):
+    raise DatasetError("dataset 'folder' has no class labels; train it unconditionally (--num_classes=0), or "
+                       "save the images with their labels as an npz (--dataset=npz: 'arr_0' images, 'arr_1' labels)")
+
+
+_LABEL_LOADERS = {
+    "fashion_mnist": lambda path: read_idx_labels(_fashion_mnist_file(path, LABELS)),
+    "cifar10": lambda path: np.concatenate([batch[b"labels"] for batch in _cifar10_batches(path)]),
+    "folder": _no_labels,
+    "npz": _npz_labels,
+}
+
+
+def load_labels(name, path=None):
+    """The class labels of dataset ``name`` (one of ``DATASETS``) at ``path``, one per image of ``load_dataset``'s, as
+    int32 (N,): Fashion-MNIST's and CIFAR-10's classes 0-9 (their idx label files and batches), an npz's 'arr_1';
+    ``DatasetError`` for a folder of images, which has none."""
+    if name not in _LABEL_LOADERS:
+        raise DatasetError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
+    labels = np.asarray(_LABEL_LOADERS[name](path))
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+        raise DatasetError(f"class labels of dataset {name!r} at {path} must be integers, one per image; "
+                           f"got {labels.dtype} {labels.shape}")
+    return labels.astype(np.int32)
 
 
 _LOADERS = {

@@ -23,14 +23,16 @@ def per_rank_batch(global_batch, world_size):
 
 
 class BatchLoader:
-    """Batches of ``images`` (uint8 NHWC) as float32 NCHW in [-1, 1], for one rank of ``world_size``."""
+    """Batches of ``images`` (uint8 NHWC) as float32 NCHW in [-1, 1], with their class ``labels`` (int, (N,)) when
+    given, for one rank of ``world_size``."""
 
-    def __init__(self, images, batch_size, seed, world_size=1, rank=0, random_flip=True):
+    def __init__(self, images, batch_size, seed, world_size=1, rank=0, random_flip=True, labels=None):
         if not 0 <= rank < world_size:
             raise LoaderError(f"rank {rank} is outside world size {world_size}")
         if batch_size > len(images):
             raise LoaderError(f"batch size {batch_size} is larger than the dataset ({len(images)} images)")
         self.images = images
+        self.labels = labels
         self.batch_size = batch_size
         self.local_batch = per_rank_batch(batch_size, world_size)
         self.seed = seed
@@ -67,8 +69,8 @@ class BatchLoader:
         return batch[mine], flips[mine]
 
     def next_batch(self):
-        """This rank's next batch: float32 NCHW in [-1, 1]."""
+        """This rank's next batch: (float32 NCHW in [-1, 1], its labels or None)."""
         indices, flips = self.next_indices()
         images = self.images[indices]
         images[flips] = images[flips, :, ::-1]
-        return to_float(images)
+        return to_float(images), None if self.labels is None else self.labels[indices]

@@ -122,6 +122,14 @@ class _Layers:
 
         return y, backward
 
+    def embedding(self, module, labels):
+        """Rows ``labels`` of ``module``'s (an Embedding) table."""
+
+        def backward(dy):
+            np.add.at(self.grads[module.weight], labels, dy)
+
+        return self.w(module.weight)[labels], backward
+
     def group_norm(self, module, x):
         n, c = len(x), x.shape[-1]
         groups = module.num_groups
@@ -263,15 +271,19 @@ class _Layers:
         return self.conv(module.conv, x, bottom_right=module.bottom_right)
 
 
-def unet_forward(model, weights, grads, x, temb_in, rng=None):
+def unet_forward(model, weights, grads, x, temb_in, labels=None, rng=None):
     """The output of ``model`` (a ``describe``d UNet) on x (N, H, W, C: channels last, as the output) given the
-    sinusoidal embedding ``temb_in`` (N, model_channels) of its timesteps: (output, backward); backward(d output)
-    adds every parameter's gradient into ``grads``. Training mode draws dropout masks from ``rng``; eval mode
-    (``rng`` None) has none."""
+    sinusoidal embedding ``temb_in`` (N, model_channels) of its timesteps and, for a class-conditional network, the
+    class ``labels`` (N,): (output, backward); backward(d output) adds every parameter's gradient into ``grads``.
+    Training mode draws dropout masks from ``rng``; eval mode (``rng`` None) has none."""
     layers = _Layers(weights, grads, rng)
     a, dense0_back = layers.linear(model.temb_dense0, temb_in)
     a, silu0_back = layers.silu(a)
     temb, dense1_back = layers.linear(model.temb_dense1, a)
+    class_back = None
+    if model.class_emb is not None:
+        class_temb, class_back = layers.embedding(model.class_emb, labels)
+        temb = temb + class_temb
     temb_act, temb_back = layers.silu(temb)
     blocks = []  # (backward of a residual block, backward of its attention or None)
 
@@ -331,18 +343,22 @@ def unet_forward(model, weights, grads, x, temb_in, rng=None):
         for stage, dskip in zip(reversed(stages), reversed(dskips)):
             dh = dh + dskip
             dh = block_back(stage, dh) if isinstance(stage, int) else stage(dh)
-        dense0_back(silu0_back(dense1_back(temb_back(dtemb_act))))
+        dtemb = temb_back(dtemb_act)
+        if class_back is not None:
+            class_back(dtemb)
+        dense0_back(silu0_back(dense1_back(dtemb)))
 
     return out, backward
 
 
-def group_loss_and_gradients(model, weights, grads, x_t, target, mse_weight, temb_in, dropout_seed, batch_size):
+def group_loss_and_gradients(model, weights, grads, x_t, target, mse_weight, temb_in, labels, dropout_seed,
+                             batch_size):
     """One group's share of the training loss: the sum over its samples of ``mse_weight`` times the mean squared
-    error between ``model``'s output at (x_t, temb_in) in training mode (dropout from
+    error between ``model``'s output at (x_t, temb_in, labels) in training mode (dropout from
     ``np.random.default_rng(dropout_seed)``) and ``target`` (both NCHW); the gradients of that sum divided by
     ``batch_size`` (the group's share of the batch mean) are added into ``grads``."""
     out, backward = unet_forward(model, weights, grads, np.ascontiguousarray(x_t.transpose(0, 2, 3, 1)), temb_in,
-                                 np.random.default_rng(dropout_seed))
+                                 labels, np.random.default_rng(dropout_seed))
     diff = out - target.transpose(0, 2, 3, 1)
     loss = float(np.sum(np.mean(np.square(diff, dtype=np.float64), axis=(1, 2, 3)) * mse_weight))
     diff *= mse_weight.reshape(-1, 1, 1, 1) * np.float32(2.0 / (batch_size * diff[0].size))
@@ -350,7 +366,7 @@ def group_loss_and_gradients(model, weights, grads, x_t, target, mse_weight, tem
     return loss
 
 
-def unet_output(model, weights, x, temb_in):
-    """``model``'s output on x (NCHW) given ``temb_in``, NCHW: an eval-mode call."""
-    out, _ = unet_forward(model, weights, None, np.ascontiguousarray(x.transpose(0, 2, 3, 1)), temb_in)
+def unet_output(model, weights, x, temb_in, labels=None):
+    """``model``'s output on x (NCHW) given ``temb_in`` (and ``labels``), NCHW: an eval-mode call."""
+    out, _ = unet_forward(model, weights, None, np.ascontiguousarray(x.transpose(0, 2, 3, 1)), temb_in, labels)
     return np.ascontiguousarray(out.transpose(0, 3, 1, 2))

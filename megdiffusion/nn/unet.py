@@ -4,7 +4,8 @@ and twice the output channels for a learned variance.
 
 Parameter names follow Ho's scopes: ``down.<level>.blocks.<i>``, ``down.<level>.attns.<i>``,
 ``down.<level>.downsample``, ``mid_block1``/``mid_attn``/``mid_block2``, ``up.<level>...`` (level 0 is the
-full resolution, as in Ho's ``down_0``/``up_0``), ``conv_in``, ``norm_out``, ``conv_out``.
+full resolution, as in Ho's ``down_0``/``up_0``), ``conv_in``, ``norm_out``, ``conv_out``; a class-conditional
+network adds ``class_emb`` (improved-diffusion's ``label_emb``).
 The paper's CIFAR-10 config (the defaults) has 35,746,307 parameters.
 """
 import functools
@@ -141,7 +142,10 @@ class UNet(M.Module):
     ``time_embedding`` choose between Ho's network (the defaults), pytorch-ddpm's and improved-diffusion's
     (``nn.options``). improved-diffusion's options: ``use_scale_shift_norm`` (AdaGN in every residual block),
     ``num_heads`` heads in every attention block, or heads of ``num_head_channels`` channels each when that is
-    set, and ``out_channels`` = 2 * in_channels for a learned variance.
+    set, and ``out_channels`` = 2 * in_channels for a learned variance. With ``num_classes`` > 0 the network is
+    class-conditional (improved-diffusion's ``class_cond``): ``forward(x, t, y)`` adds a learned embedding of the
+    class labels y (N,) to the time embedding. It is made after every other weight, so the other initial weights
+    are those of the unconditional network of the same seed.
     """
 
     def __init__(
@@ -161,6 +165,7 @@ class UNet(M.Module):
         use_scale_shift_norm=False,
         num_heads=1,
         num_head_channels=0,
+        num_classes=0,
     ):
         super().__init__()
         check_config(model_channels, channel_mult, attention_resolutions, image_size, norm_groups, norm_eps,
@@ -219,6 +224,8 @@ class UNet(M.Module):
 
         self.norm_out = norm(channels)
         self.conv_out = conv2d(channels, out_channels or in_channels, init_scale=0.0)
+        self.num_classes = num_classes
+        self.class_emb = M.Embedding(num_classes, temb_channels) if num_classes else None
 
     def embed_time(self, t):
         """The time embedding (N, 4 * model_channels) of timesteps t (N,), integer or fractional."""
@@ -237,8 +244,13 @@ class UNet(M.Module):
             hs.extend(level(hs[-1], temb))
         return self.mid_block2(self.mid_attn(self.mid_block1(hs[-1], temb)), temb), hs
 
-    def forward(self, x, t):
+    def forward(self, x, t, y=None):
         temb = self.embed_time(t)
+        if (y is None) != (self.class_emb is None):
+            raise ValueError(f"a class-conditional network ({self.num_classes} classes) needs class labels y"
+                             if y is None else "an unconditional network takes no class labels")
+        if y is not None:
+            temb = temb + self.class_emb(y)
         h, hs = self.encode(x, temb)
         for level in reversed(self.up):
             h = level(h, temb, hs)

@@ -36,14 +36,14 @@ REQUIRED_KEYS = ("step", "config", "model", "ema", "optimizer", "loader")
 # (The output channels follow var_type: ``load_init`` compares them too.)
 NETWORK_FIELDS = ("image_size", "image_channels", "model_channels", "channel_mult", "num_res_blocks",
                   "attention_resolutions", "norm_groups", "norm_eps", "downsample_padding", "time_embedding",
-                  "use_scale_shift_norm", "num_heads", "num_head_channels", "rescale_timesteps")
+                  "use_scale_shift_norm", "num_heads", "num_head_channels", "rescale_timesteps", "num_classes")
 # Config fields a resumed run must share with its checkpoint (the network and the maths).
 RECIPE_FIELDS = NETWORK_FIELDS + ("num_timesteps", "beta_schedule", "mean_type", "var_type", "loss_type",
                                   "min_snr_gamma", "input_perturbation")
 # Config fields a guiding model (``sampling.load_guidance``) must share with the sampled one: what the network sees
 # and what it predicts.
 GUIDE_FIELDS = ("image_size", "image_channels", "rescale_timesteps", "num_timesteps", "beta_schedule", "mean_type",
-                "var_type")
+                "var_type", "num_classes")
 RNG_SCHEME = "numpy default_rng([seed, rank, step])"  # trainer.step_rng
 _NAME = re.compile(r"^ckpt_(\d+)\.pkl$")
 

@@ -5,6 +5,7 @@ Randomness without saved generator state: step ``k`` of rank ``r`` draws its tim
 stream; the data order is a function of (seed, epoch). A checkpoint therefore only needs the step
 count and the loader position to continue bit for bit.
 """
+import functools
 import os
 import signal
 import time
@@ -13,7 +14,7 @@ import numpy as np
 
 from megdiffusion import native
 from megdiffusion.compat import EngineFailure, assign_, is_megengine_error, megengine_error_cause, quiet_megengine
-from megdiffusion.data.datasets import load_dataset
+from megdiffusion.data.datasets import load_dataset, load_labels
 from megdiffusion.data.loader import BatchLoader
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import output_directory
@@ -121,8 +122,9 @@ class Trainer:
             self._flat.release()
             self._flat = None
 
-    def step(self, x0):
-        """One update on this rank's batch ``x0`` (float32 NCHW in [-1, 1]): {"loss", "grad_norm", "lr"}.
+    def step(self, x0, labels=None):
+        """One update on this rank's batch ``x0`` (float32 NCHW in [-1, 1]), with its class ``labels`` (int, (N,))
+        for a class-conditional network: {"loss", "grad_norm", "lr"}.
 
         The loss is the batch mean of ``training_losses``' ``loss``; gradients are averaged over ranks, clipped to
         ``grad_clip`` (the returned norm is the one before clipping), then Adam and the EMA update.
@@ -145,11 +147,12 @@ class Trainer:
         if on_native:
             flat_update = self._flat_update()
             loss, flat_update.grad = self.native_step.loss_and_gradients(flat_update.param, x0, t, noise,
-                                                                         dropout_seed, perturbation)
+                                                                         dropout_seed, perturbation, labels)
         else:
+            network = self._model if labels is None else functools.partial(self._model, y=mge.tensor(labels))
             with self.grad_manager:
                 loss = self.diffusion.training_losses(
-                    self._model, mge.tensor(x0), mge.tensor(t), mge.tensor(noise),
+                    network, mge.tensor(x0), mge.tensor(t), mge.tensor(noise),
                     None if perturbation is None else mge.tensor(perturbation))["loss"].mean()
                 self.grad_manager.backward(loss)
             loss = loss.item()
@@ -217,7 +220,8 @@ class TrainingRun:
     def __init__(self, cfg, images, world_size=1, rank=0, progress=True):
         self.cfg = cfg
         self.trainer = Trainer(cfg, world_size, rank)
-        self.loader = BatchLoader(images, cfg.batch_size, cfg.seed, world_size, rank, cfg.random_flip)
+        labels = load_labels(cfg.dataset, cfg.data_path) if cfg.num_classes else None
+        self.loader = BatchLoader(images, cfg.batch_size, cfg.seed, world_size, rank, cfg.random_flip, labels)
         self.writes = rank == 0
         self.progress = progress
         self.stop_signal = None
@@ -288,7 +292,7 @@ class TrainingRun:
                and (self.deadline is None or time.monotonic() < self.deadline)):
             try:
                 start = time.perf_counter()
-                metrics = self.trainer.step(self.loader.next_batch())
+                metrics = self.trainer.step(*self.loader.next_batch())
                 metrics["images_per_s"] = cfg.batch_size / (time.perf_counter() - start)
                 self.maintenance(metrics)
             except RuntimeError as error:
