@@ -61,27 +61,30 @@ def image_classes(num_classes, indices):
 
 
 def generate_images(model, diffusion, image_shape, indices, seed, sampler="ddpm", steps=None, eta=0.0,
-                    batch_size=64, progress=None, respacing=None, guidance=None):
+                    batch_size=64, progress=None, respacing=None, guidance=None, class_label=None):
     """Sample the images ``indices`` of a run (each from ``image_seed(seed, i)``) as uint8 NHWC.
 
     ``image_shape`` is (C, H, W); ``progress`` is an optional tqdm bar advanced per image; ``respacing`` (instead
     of ``steps``): see ``GaussianDiffusion.sample``; ``guidance``: an ``Autoguidance``, or None. A class-conditional
-    model (``num_classes`` > 0) draws image i of class ``image_classes``. Bad sampler settings raise ValueError
-    (``GaussianDiffusion.check_sampling``), even for no indices.
+    model (``num_classes`` > 0) draws every image of ``class_label``, or image i of class ``image_classes`` when
+    that is None. Bad sampler settings raise ValueError (``GaussianDiffusion.check_sampling``), and so does a class
+    the model does not know, even for no indices.
     """
     diffusion.check_sampling(sampler, steps, eta, respacing)
+    num_classes = getattr(model, "num_classes", 0)
+    check_class_label(class_label, num_classes)
     indices = list(indices)
     out = []
     with contextlib.ExitStack() as stack:
         network = _network(model, stack) if indices else model
         if guidance is not None and indices:
             network = _Guided(network, _network(guidance.model, stack), guidance.weight, image_shape[0])
-        num_classes = getattr(model, "num_classes", 0)
         for start in range(0, len(indices), batch_size):
             chunk = indices[start:start + batch_size]
             conditioned = network
             if num_classes:
-                conditioned = functools.partial(network, y=mge.tensor(image_classes(num_classes, chunk)))
+                labels = image_classes(num_classes, chunk) if class_label is None else np.full(len(chunk), class_label)
+                conditioned = functools.partial(network, y=mge.tensor(labels, dtype="int32"))
             x = diffusion.sample(conditioned, (len(chunk),) + tuple(image_shape), sampler=sampler, steps=steps, eta=eta,
                                  seeds=[image_seed(seed, i) for i in chunk], respacing=respacing)
             out.append(to_uint8(x))
@@ -89,6 +92,17 @@ def generate_images(model, diffusion, image_shape, indices, seed, sampler="ddpm"
                 progress.update(len(chunk))
     c, h, w = image_shape
     return np.concatenate(out) if out else np.zeros((0, h, w, c), np.uint8)
+
+
+def check_class_label(class_label, num_classes):
+    """ValueError (one line) unless ``class_label`` is None or a class of a model of ``num_classes`` (0:
+    unconditional)."""
+    if class_label is None:
+        return
+    if not num_classes:
+        raise ValueError(f"class {class_label} asked of an unconditional model (trained without --num_classes)")
+    if not 0 <= class_label < num_classes:
+        raise ValueError(f"class {class_label} is outside the model's classes 0..{num_classes - 1}")
 
 
 def _network(model, stack):

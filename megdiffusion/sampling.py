@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import output_directory, save_npz, write_text
-from megdiffusion.generation import Autoguidance, generate_images
+from megdiffusion.generation import Autoguidance, check_class_label, generate_images
 from megdiffusion.images import make_grid, read_image, save_png
 from megdiffusion.training import checkpoint, distributed
 from megdiffusion.training.config import build_diffusion, build_model
@@ -46,6 +46,7 @@ class SampleJob:
     npz: bool = True  # also write samples.npz
     guide_ckpt: Optional[str] = None  # autoguidance: the weaker model (``load_guidance``)
     guidance: float = 1.0  # its weight w: bad + w (good - bad); 1 is no guidance
+    class_label: Optional[int] = None  # a class-conditional model: every image of this class (None: i mod classes)
 
     def manifest(self, step, guide_step=None):
         """The settings that decide the images (``manifest.json``): a directory never mixes two of them."""
@@ -55,6 +56,8 @@ class SampleJob:
         if self.guide_ckpt:  # absent without guidance, so directories written before it existed still continue
             settings.update(guide_checkpoint=os.path.abspath(self.guide_ckpt), guide_step=guide_step,
                             guidance=self.guidance)
+        if self.class_label is not None:  # the same
+            settings["class_label"] = self.class_label
         return settings
 
 
@@ -66,6 +69,10 @@ def run_job(job, num_gpus=1):
     loaded = load_model(job.ckpt, job.ema)
     _, diffusion, cfg, step = loaded
     check_sampler(diffusion, job.sampler, job.steps, job.eta, job.respacing)
+    try:
+        check_class_label(job.class_label, cfg.num_classes)
+    except ValueError as err:
+        raise SamplingError(f"--class_label: {err}") from None
     guidance, guide_step = load_guidance(job.guide_ckpt, job.guidance, cfg, job.ema)
     with output_directory(job.output, "--output", MANIFEST):
         prepare_output(job.output, job.manifest(step, guide_step))
@@ -89,7 +96,7 @@ def sample_share(job, loaded=None, guidance=None):
     rank, world_size = distributed.rank_and_world()
     return sample_to_directory(model, diffusion, cfg.image_shape, job.output, job.num_images, job.seed, job.sampler,
                                job.steps, job.eta, job.batch_size, rank, world_size, job.progress, job.respacing,
-                               guidance)
+                               guidance, job.class_label)
 
 
 def load_model(ckpt_or_logdir, ema=True):
@@ -170,9 +177,10 @@ def missing_indices(output, num_images, rank=0, world_size=1):
 
 
 def sample_to_directory(model, diffusion, image_shape, output, num_images, seed, sampler="ddpm", steps=None,
-                        eta=0.0, batch_size=64, rank=0, world_size=1, progress=True, respacing=None, guidance=None):
+                        eta=0.0, batch_size=64, rank=0, world_size=1, progress=True, respacing=None, guidance=None,
+                        class_label=None):
     """Write this rank's missing images ``000000.png ...`` into ``output`` (``guidance``: an ``Autoguidance`` or
-    None); returns how many it wrote.
+    None; ``class_label``: see ``generate_images``); returns how many it wrote.
 
     Each PNG is written atomically as soon as its batch is done, so an interrupted run loses at most
     one batch and a rerun continues where it stopped.
@@ -184,7 +192,8 @@ def sample_to_directory(model, diffusion, image_shape, output, num_images, seed,
         for start in range(0, len(todo), batch_size):
             chunk = todo[start:start + batch_size]
             images = generate_images(model, diffusion, image_shape, chunk, seed, sampler, steps, eta,
-                                     batch_size, progress=bar, respacing=respacing, guidance=guidance)
+                                     batch_size, progress=bar, respacing=respacing, guidance=guidance,
+                                     class_label=class_label)
             for index, image in zip(chunk, images):
                 save_png(image_path(output, index), image)
     return len(todo)

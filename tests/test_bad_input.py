@@ -61,6 +61,8 @@ def shared(tmp_path_factory, tiny_config, tiny_images):
         with open(root / "cifar_evil" / f"data_batch_{i}", "wb") as f:
             pickle.dump({b"data": Payload()}, f, protocol=2)
 
+    np.savez(root / "labels_to_11.npz", arr_0=tiny_images(16), arr_1=np.arange(16) % 12)
+    np.savez(root / "three_labels.npz", arr_0=tiny_images(16), arr_1=np.arange(3))
     np.savez(root / "mu_only.npz", mu=np.zeros(2048))
     np.save(root / "array.npy", tiny_images(4))
     os.rename(root / "array.npy", root / "array.npz")
@@ -141,6 +143,15 @@ CASES = [
      "--input_perturbation needs --mean_type eps, xstart or v"),
     ("min-snr-with-xprev", "train", [*TRAIN, "--mean_type=xprev", "--min_snr_gamma=5"],
      "bad diffusion flags: min_snr_gamma must be 0 (off) or positive with mean_type eps, xstart or v"),
+    ("classes-without-labels", "train", [*TRAIN, "--num_classes=10"],
+     "--data_path data.npz has no class labels: a class-conditional run (--num_classes) on an npz needs them under"),
+    ("class-label-outside", "train", [*TRAIN, "--data_path=labels_to_11.npz", "--num_classes=10"],
+     "class label 10 is outside 0..9; set --num_classes to the number of classes (the labels go up to 11)"),
+    ("class-labels-miscounted", "train", [*TRAIN, "--data_path=three_labels.npz", "--num_classes=10"],
+     "the dataset has 16 images but 3 class labels"),
+    ("classes-of-a-folder", "train", [*TRAIN, "--dataset=folder", "--data_path=images", "--image_size=8",
+                                      "--batch_size=2", "--num_classes=2"], "dataset 'folder' has no class labels"),
+    ("negative-num-classes", "train", [*TRAIN, "--num_classes=-1"], "--num_classes must be >= 0, got -1"),
     ("heads-do-not-divide", "train", [*TRAIN, "--num_heads=3"],
      "attention over 32 channels cannot be split into heads with num_heads=3"),
     ("head-channels-do-not-divide", "train", [*TRAIN, "--num_head_channels=12"], "with num_head_channels=12"),

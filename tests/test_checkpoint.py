@@ -142,7 +142,7 @@ def test_a_checkpoint_written_at_9323ffd_loads_for_sampling_and_resumes(tmp_path
     old = ckpt.load_checkpoint(ckpt.checkpoint_path(str(logdir), 2))
     assert set(ckpt.snapshot(run.trainer, run.loader)) == set(old)  # the layout has not changed
     assert run.loader.state_dict() == {"epoch": 0, "position": 8}
-    loss = run.trainer.step(run.loader.next_batch())["loss"]
+    loss = run.trainer.step(*run.loader.next_batch())["loss"]
     assert loss == pytest.approx(float(expected["next_loss"]), rel=1e-5)
 
 

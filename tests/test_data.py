@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from megdiffusion.data.datasets import DatasetError, ImageFolder, load_dataset, read_idx_images
+from megdiffusion.data.datasets import DatasetError, ImageFolder, load_dataset, load_labels, read_idx_images
 from megdiffusion.images import make_grid, read_image, save_png, to_float, to_uint8
 
 
@@ -15,6 +15,59 @@ def test_embedded_fashion_mnist_is_the_full_test_split():
     assert images.shape == (10000, 28, 28, 1) and images.dtype == np.uint8
     # The t10k split's first image is an ankle boot: dark border, bright object in the middle.
     assert images[0, :2].max() == 0 and images[0, 10:20, 10:20].mean() > 100
+
+
+def test_embedded_fashion_mnist_labels_are_the_test_splits():
+    """One label per embedded image, 1000 of each class, the first image (an ankle boot) of class 9."""
+    labels = load_labels("fashion_mnist")
+    assert labels.dtype == np.int32 and labels.shape == (10000,)
+    np.testing.assert_array_equal(np.bincount(labels), [1000] * 10)
+    np.testing.assert_array_equal(labels[:5], [9, 2, 1, 1, 6])
+
+
+def write_idx_labels(path, labels):
+    with gzip.open(path, "wb") as f:
+        f.write(b"".join(v.to_bytes(4, "big") for v in (2049, len(labels))) + bytes(labels))
+
+
+def test_fashion_mnist_labels_follow_the_images_file(tmp_path):
+    """Labels come from the idx1 file of the split whose images are read: the train split's in a directory that
+    holds both, the one named like a given images file; a missing or broken labels file is one clear error."""
+    header = b"".join(v.to_bytes(4, "big") for v in (2051, 2, 1, 1))
+    for split, labels in (("train", [3, 4]), ("t10k", [5, 6])):
+        (tmp_path / f"{split}-images-idx3-ubyte").write_bytes(header + bytes(2))
+        write_idx_labels(tmp_path / f"{split}-labels-idx1-ubyte.gz", labels)
+    np.testing.assert_array_equal(load_labels("fashion_mnist", str(tmp_path)), [3, 4])
+    np.testing.assert_array_equal(load_labels("fashion_mnist", str(tmp_path / "t10k-images-idx3-ubyte")), [5, 6])
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "t10k-images-idx3-ubyte").write_bytes(header + bytes(2))
+    with pytest.raises(DatasetError, match="no labels-idx1 file beside .*t10k-labels-idx1-ubyte"):
+        load_labels("fashion_mnist", str(tmp_path / "other" / "t10k-images-idx3-ubyte"))
+    with pytest.raises(DatasetError, match="no train-labels-idx1-ubyte"):
+        load_labels("fashion_mnist", str(tmp_path / "other"))
+    (tmp_path / "other" / "t10k-labels-idx1-ubyte").write_bytes(header)
+    with pytest.raises(DatasetError, match="not an idx1 label file"):
+        load_labels("fashion_mnist", str(tmp_path / "other"))
+
+
+def test_labels_of_cifar10_npz_and_folder(tmp_path):
+    for i in range(1, 6):
+        with open(tmp_path / f"data_batch_{i}", "wb") as f:
+            pickle.dump({b"data": np.zeros((2, 3072), np.uint8), b"labels": [i, 9 - i]}, f)
+    np.testing.assert_array_equal(load_labels("cifar10", str(tmp_path)), [1, 8, 2, 7, 3, 6, 4, 5, 5, 4])
+    images = np.zeros((3, 4, 4, 1), np.uint8)
+    np.savez(tmp_path / "x.npz", arr_0=images, arr_1=np.array([2, 0, 1], np.int64))
+    labels = load_labels("npz", str(tmp_path / "x.npz"))
+    assert labels.dtype == np.int32
+    np.testing.assert_array_equal(labels, [2, 0, 1])
+    np.savez(tmp_path / "unlabelled.npz", arr_0=images)
+    with pytest.raises(DatasetError, match="no class labels.*'arr_1'"):
+        load_labels("npz", str(tmp_path / "unlabelled.npz"))
+    np.savez(tmp_path / "float.npz", arr_0=images, arr_1=np.zeros(3))
+    with pytest.raises(DatasetError, match="must be integers"):
+        load_labels("npz", str(tmp_path / "float.npz"))
+    with pytest.raises(DatasetError, match="'folder' has no class labels"):
+        load_labels("folder", str(tmp_path))
 
 
 def test_idx_round_trip(tmp_path):

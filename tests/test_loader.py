@@ -41,17 +41,21 @@ def test_partial_last_batch_is_dropped():
 
 
 def test_state_round_trip_continues_with_identical_batches():
+    """Over epochs and a resume, the same batches; each image with its own label."""
     images = numbered_images(30, size=6)
-    straight = BatchLoader(images, batch_size=8, seed=5)
+    labels = np.arange(30, dtype=np.int32) + 100
+    straight = BatchLoader(images, batch_size=8, seed=5, labels=labels)
     expected = [straight.next_batch() for _ in range(9)]
 
-    first = BatchLoader(images, batch_size=8, seed=5)
+    first = BatchLoader(images, batch_size=8, seed=5, labels=labels)
     got = [first.next_batch() for _ in range(4)]
-    resumed = BatchLoader(images, batch_size=8, seed=5)
+    resumed = BatchLoader(images, batch_size=8, seed=5, labels=labels)
     resumed.load_state_dict(dict(first.state_dict()))
     got += [resumed.next_batch() for _ in range(5)]
-    for a, b in zip(expected, got):
-        assert np.array_equal(a, b)
+    probe = BatchLoader(images, batch_size=8, seed=5)
+    for (x, y), (x2, y2) in zip(expected, got):
+        assert np.array_equal(x, x2) and np.array_equal(y, y2)
+        np.testing.assert_array_equal(y, labels[probe.next_indices()[0]])
 
 
 def test_two_ranks_are_disjoint_cover_the_epoch_and_match_one_process():
@@ -75,8 +79,8 @@ def test_batches_are_scaled_nchw_and_flips_mirror_width():
     images = numbered_images(16, size=4)
     loader = BatchLoader(images, batch_size=16, seed=0, random_flip=True)
     indices, flips = BatchLoader(images, batch_size=16, seed=0).next_indices()
-    batch = loader.next_batch()
-    assert batch.shape == (16, 1, 4, 4) and batch.dtype == np.float32
+    batch, labels = loader.next_batch()
+    assert batch.shape == (16, 1, 4, 4) and batch.dtype == np.float32 and labels is None
     assert 0 < flips.sum() < 16
     for x, source, flipped in zip(batch, to_float(images[indices]), flips):
         np.testing.assert_array_equal(x, source[:, :, ::-1] if flipped else source)
@@ -87,7 +91,7 @@ def test_without_flip_images_are_unchanged():
     loader = BatchLoader(images, batch_size=8, seed=0, random_flip=False)
     indices, flips = BatchLoader(images, batch_size=8, seed=0, random_flip=False).next_indices()
     assert not flips.any()
-    np.testing.assert_array_equal(loader.next_batch(), to_float(images[indices]))
+    np.testing.assert_array_equal(loader.next_batch()[0], to_float(images[indices]))
 
 
 def test_bad_batch_sizes():

@@ -1,6 +1,7 @@
 """The UNet outside MegEngine (``nn.numpy_unet``, ``native``, ``group_workers``):
 the same outputs, gradients and training steps as MegEngine's autodiff, and bit-identical on any number of
 processes."""
+import functools
 import os
 import signal
 
@@ -98,12 +99,12 @@ def test_the_numpy_pass_is_the_unet_and_its_gradients(name):
 
 
 @pytest.mark.parametrize("loss", [dict(), dict(mean_type="xstart", min_snr_gamma=5.0), dict(mean_type="v"),
-                                  dict(input_perturbation=0.1)],
-                         ids=["eps", "xstart-minsnr", "v", "input-perturbation"])
+                                  dict(input_perturbation=0.1), dict(num_classes=3)],
+                         ids=["eps", "xstart-minsnr", "v", "input-perturbation", "class-conditional"])
 def test_native_loss_and_gradients_are_training_losses(tiny_config, loss):
     """NativeStep on a batch of 20 (three groups: a worker process computes some) against the batch mean of
-    ``training_losses`` through MegEngine's autodiff, with Min-SNR weights, the x_0 and v targets and input
-    perturbation too."""
+    ``training_losses`` through MegEngine's autodiff, with Min-SNR weights, the x_0 and v targets, input
+    perturbation and class labels too."""
     cfg = tiny_config(channel_mult=(1, 2), attention_resolutions=(4,), norm_groups=4, num_timesteps=100, **loss)
     mge.random.seed(0)
     model = randomised(build_model(cfg))
@@ -115,11 +116,13 @@ def test_native_loss_and_gradients_are_training_losses(tiny_config, loss):
     noise = rng.standard_normal(x0.shape).astype(np.float32)
     perturbation = (np.float32(cfg.input_perturbation) * rng.standard_normal(x0.shape).astype(np.float32)
                     if cfg.input_perturbation else None)
+    labels = rng.integers(0, cfg.num_classes, 20).astype(np.int32) if cfg.num_classes else None
+    network = model if labels is None else functools.partial(model, y=mge.tensor(labels))
     params = list(model.parameters())
     losses = []
 
     def mean_loss():
-        losses.append(diffusion.training_losses(model, mge.tensor(x0), mge.tensor(t), mge.tensor(noise),
+        losses.append(diffusion.training_losses(network, mge.tensor(x0), mge.tensor(t), mge.tensor(noise),
                                                 None if perturbation is None else mge.tensor(perturbation))
                       ["loss"].mean())
         return losses[0]
@@ -127,7 +130,7 @@ def test_native_loss_and_gradients_are_training_losses(tiny_config, loss):
     expected_grads = megengine_gradients(params, mean_loss)
     step = native.NativeStep(model, diffusion, params)
     flat = np.concatenate([p.numpy().reshape(-1) for p in params])
-    loss_value, gradient = step.loss_and_gradients(flat, x0, t, noise, perturbation=perturbation)
+    loss_value, gradient = step.loss_and_gradients(flat, x0, t, noise, perturbation=perturbation, labels=labels)
     assert loss_value == pytest.approx(float(losses[0].numpy()), rel=1e-5)
     bounds = np.cumsum([0] + [int(np.prod(p.shape)) for p in params])
     assert_gradients_close([gradient[a:b].reshape(p.shape) for a, b, p in zip(bounds, bounds[1:], params)],
@@ -145,21 +148,30 @@ def batch(seed, n=16):
     return np.random.default_rng(seed).uniform(-1, 1, (n, 1, 8, 8)).astype(np.float32)
 
 
-@pytest.mark.parametrize("input_perturbation", [0.0, 0.1])
-def test_native_steps_are_megengine_steps(tiny_config, fast_path, input_perturbation):
+@pytest.mark.parametrize("changes", [dict(), dict(input_perturbation=0.1), dict(num_classes=3)],
+                         ids=["recipe", "input-perturbation", "class-conditional"])
+def test_native_steps_are_megengine_steps(tiny_config, fast_path, changes):
     """Three Trainer steps of batch 16 through the numpy pass and through MegEngine's autodiff (both with the numpy
-    update): the same losses, gradient norms and weights up to float32 rounding, with input perturbation too."""
+    update): the same losses, gradient norms and weights up to float32 rounding, with input perturbation and class
+    labels (the class embedding's rows learn only from their own labels) too."""
     cfg = tiny_config(batch_size=16, channel_mult=(1, 2), attention_resolutions=(4,), norm_groups=4, lr=1e-3,
-                      input_perturbation=input_perturbation)
+                      **changes)
     numpy_run, autodiff = Trainer(cfg), Trainer(cfg)
     autodiff.native_step = None
     assert numpy_run.native_step is not None
+    labels = (np.arange(16) % 2).astype(np.int32) if cfg.num_classes else None  # class 2 is never seen
+    if cfg.num_classes:
+        unseen = numpy_run.model.class_emb.weight.numpy()[2]
     for k in range(3):
-        got, expected = numpy_run.step(batch(k)), autodiff.step(batch(k))
+        got, expected = numpy_run.step(batch(k), labels), autodiff.step(batch(k), labels)
         assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
         assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
     for a, b in zip(full_state(numpy_run), full_state(autodiff)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    if cfg.num_classes:
+        rows = numpy_run.model.class_emb.weight.numpy()
+        np.testing.assert_array_equal(rows[2], unseen)
+        assert np.abs(rows[:2] - autodiff.model.class_emb.weight.numpy()[:2]).max() < 1e-5
     numpy_run.native_step.workers.close()
 
 

@@ -1,4 +1,6 @@
 """Sampling many images: determinism, resume, split invariance, EMA vs raw, launched processes, the CLI."""
+import dataclasses
+import json
 import multiprocessing
 import os
 import pickle
@@ -81,6 +83,66 @@ def test_autoguidance_guides_the_prediction_and_keeps_the_good_models_variance()
 
     out = _Guided(constant(3.0, 0.5), constant(1.0, -0.5), 2.0, channels=1)(None, None).numpy()
     np.testing.assert_allclose(out.reshape(2), [1.0 + 2.0 * (3.0 - 1.0), 0.5])
+
+
+@pytest.fixture(scope="module")
+def conditional_logdir(tmp_path_factory, tiny_config, tiny_images):
+    """A tiny class-conditional run (3 classes) on an npz of labelled images."""
+    root = tmp_path_factory.mktemp("conditional")
+    np.savez(root / "data.npz", arr_0=tiny_images(32), arr_1=np.arange(32) % 3)
+    cfg = tiny_config(lr=1e-2, ema_decay=0.5, total_steps=3, logdir=str(root / "run"), dataset="npz",
+                      data_path=str(root / "data.npz"), num_classes=3)
+    TrainingRun(cfg, tiny_images(32), progress=False).run()
+    return root / "run"
+
+
+def test_a_class_conditional_models_image_i_is_of_class_i_mod_num_classes(conditional_logdir):
+    """Image i is the image i of the model called with class i mod 3 (each class computed here by MegEngine's own
+    modules; the product's call runs on the numpy pass), in any batch; guided, both networks get the labels."""
+    from megdiffusion.compat import assign_
+
+    good, diffusion, _, _ = sampling.load_model(str(conditional_logdir), ema=True)
+    bad = sampling.load_model(str(conditional_logdir), ema=False)[0]
+    for model, seed in ((good, 1), (bad, 2)):  # classes far apart, so that a wrong label shows
+        assign_(model.class_emb.weight, mge.tensor(np.random.default_rng(seed).normal(0, 3, (3, 128)), "float32"))
+
+    def of_class(c, guided=False):
+        def network(x, t):
+            y = mge.tensor(np.full(len(x), c, np.int32))
+            return bad(x, t, y) + 2.5 * (good(x, t, y) - bad(x, t, y)) if guided else good(x, t, y)
+
+        return generate_images(network, diffusion, SHAPE, range(6), 0, "ddpm", 5, batch_size=6)
+
+    images = generate_images(good, diffusion, SHAPE, range(6), 0, "ddpm", 5, batch_size=4)
+    guided = generate_images(good, diffusion, SHAPE, range(6), 0, "ddpm", 5, batch_size=4,
+                             guidance=Autoguidance(bad, 2.5))
+    for got, is_guided in ((images, False), (guided, True)):
+        by_class = [of_class(c, is_guided) for c in range(3)]
+        expected = np.stack([by_class[i % 3][i] for i in range(6)])
+        assert np.abs(got.astype(int) - expected).max() <= 1  # float rounding of the two paths
+        assert np.abs(by_class[0].astype(int) - by_class[1]).mean() > 2
+    one_class = generate_images(good, diffusion, SHAPE, range(6), 0, "ddpm", 5, batch_size=4, class_label=2)
+    assert np.abs(one_class.astype(int) - of_class(2)).max() <= 1
+
+
+def test_class_label_of_the_sample_script(conditional_logdir, logdir, tmp_path):
+    """--class_label: every image of that class, a setting of the output directory; refused for a class the model
+    does not know or an unconditional model, before anything is written."""
+    job = sampling.SampleJob(str(conditional_logdir), str(tmp_path / "c1"), 3, sampler="ddim", steps=3,
+                             progress=False, class_label=1)
+    sampling.run_job(job)
+    assert json.loads((tmp_path / "c1" / "manifest.json").read_text())["class_label"] == 1
+    good, diffusion, _, _ = sampling.load_model(str(conditional_logdir))
+    np.testing.assert_array_equal(sampling.read_samples(tmp_path / "c1", 3),
+                                  generate_images(good, diffusion, SHAPE, range(3), 0, "ddim", 3, class_label=1))
+    with pytest.raises(sampling.SamplingError, match="holds images made with other settings .*class_label: 1 -> 2"):
+        sampling.run_job(dataclasses.replace(job, class_label=2))
+    for ckpt, label, message in ((conditional_logdir, 3, "--class_label: class 3 is outside the model's classes 0..2"),
+                                 (logdir, 0, "--class_label: class 0 asked of an unconditional model")):
+        with pytest.raises(sampling.SamplingError, match=message):
+            sampling.run_job(dataclasses.replace(job, ckpt=str(ckpt), output=str(tmp_path / "refused"),
+                                                 class_label=label))
+        assert not (tmp_path / "refused").exists()
 
 
 def test_interrupted_run_resumes_to_the_same_images(loaded, tmp_path, monkeypatch):

@@ -286,3 +286,29 @@ def test_parameter_order_does_not_depend_on_hash_seed():
         outputs.append(run.stdout.splitlines())
     assert outputs[0] == outputs[1]
     assert len(outputs[0]) > 50
+
+
+def test_class_conditional_unet_adds_a_class_embedding_to_the_time_embedding():
+    """num_classes: the embedding table is the only extra weight (the others are the unconditional network's of the
+    same seed), its row for y is added to the time embedding (checked through a model whose table rows are set), and
+    the labels are required by a conditional network and refused by an unconditional one."""
+    mge.random.seed(4)
+    plain = UNet(**TINY)
+    mge.random.seed(4)
+    model = UNet(**TINY, num_classes=3)
+    plain_params, params = dict(plain.named_parameters()), dict(model.named_parameters())
+    assert sorted(set(params) - set(plain_params)) == ["class_emb.weight"]
+    assert params["class_emb.weight"].shape == (3, 4 * TINY["model_channels"])
+    for name, p in plain_params.items():
+        np.testing.assert_array_equal(p.numpy(), params[name].numpy())
+    model.eval()
+    x, t = mge.Tensor(np.ones((2, 1, 8, 8), np.float32)), mge.Tensor([5, 5], dtype="int32")
+    captured = []
+    model.encode = lambda x, temb: (captured.append(temb.numpy()), UNet.encode(model, x, temb))[1]
+    model(x, t, mge.Tensor([0, 2], dtype="int32"))
+    expected = model.embed_time(t).numpy() + params["class_emb.weight"].numpy()[[0, 2]]
+    np.testing.assert_allclose(captured[0], expected, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="needs class labels"):
+        model(x, t)
+    with pytest.raises(ValueError, match="takes no class labels"):
+        plain(x, t, mge.Tensor([0, 1], dtype="int32"))

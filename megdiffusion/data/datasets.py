@@ -53,23 +53,31 @@ def read_idx_labels(path):
     return np.frombuffer(data, np.uint8, offset=8).astype(np.int32)
 
 
+def _idx_file(directory, stem):
+    """``directory``/``stem``, or the same gzipped, whichever exists; else None."""
+    return next((c for c in (directory / stem, directory / f"{stem}.gz") if c.is_file()), None)
+
+
 def _fashion_mnist_file(path, kind):
     """The Fashion-MNIST idx file of ``kind`` (``IMAGES`` or ``LABELS``) that ``--data_path`` means: the embedded
-    split's without one; beside an images file, the labels file of the same name; in a directory, the train
-    split's, else the test split's."""
+    split's without one; beside an images file, the labels file of the same name (gzipped or not); in a directory,
+    the train split's, else the test split's."""
     if path is None:
         return ASSETS / f"t10k-{kind}-ubyte.gz"
     path = Path(path)
     if path.is_file():
-        wanted = path.with_name(path.name.replace(IMAGES, kind))
-        if wanted.is_file() and (kind == IMAGES or wanted != path):
-            return wanted
-        raise DatasetError(f"no {kind} file beside {path} (expected {wanted.name}); point --data_path at the "
-                           "directory of the Fashion-MNIST idx files")
+        if kind == IMAGES:
+            return path
+        stem = path.name.removesuffix(".gz").replace(IMAGES, kind)
+        found = _idx_file(path.parent, stem) if stem != path.name.removesuffix(".gz") else None
+        if found is None:
+            raise DatasetError(f"no {kind} file beside {path} (expected {stem}[.gz]); point --data_path at the "
+                               "directory of the Fashion-MNIST idx files")
+        return found
     for stem in (f"train-{kind}-ubyte", f"t10k-{kind}-ubyte"):
-        for candidate in (path / stem, path / f"{stem}.gz"):
-            if candidate.is_file():
-                return candidate
+        found = _idx_file(path, stem)
+        if found is not None:
+            return found
     raise DatasetError(f"no train-{kind}-ubyte[.gz] or t10k-{kind}-ubyte[.gz] in {path}; "
                        "point --data_path at the Fashion-MNIST idx files, or omit it for the embedded split")
 

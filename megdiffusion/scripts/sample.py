@@ -6,6 +6,7 @@
 Image i depends only on (--seed, i); a rerun into the same --output continues where it stopped, and
 ``--num_gpus N`` spreads the images over N GPUs (one spawned process each) with the same result.
 ``--guide_ckpt EARLIER_CKPT --guidance 2.5`` guides the model with a weaker version of itself (autoguidance).
+A class-conditional model draws image i of class i mod its number of classes, or every image of ``--class_label``.
 """
 from absl import app, flags
 
@@ -29,6 +30,8 @@ flags.DEFINE_integer("seed", 0, "Image i depends only on (seed, i).")
 flags.DEFINE_string("output", None, "Output directory: PNGs, grid.png, samples.npz, manifest.json.")
 flags.DEFINE_bool("npz", True, "Also write samples.npz (uint8 NHWC under arr_0) once all images exist.")
 flags.DEFINE_integer("num_gpus", 1, "Spread the images over this many GPUs (megengine.distributed).")
+flags.DEFINE_integer("class_label", None, "A class-conditional model (trained with --num_classes): every image of "
+                     "this class. Default: image i of class i mod num_classes.")
 define_guidance_flags()
 
 
@@ -45,7 +48,7 @@ def main(argv):
             raise UsageError("--num_images, --batch_size and --num_gpus must be positive")
         job = sampling.SampleJob(FLAGS.ckpt, FLAGS.output, FLAGS.num_images, FLAGS.seed, FLAGS.sampler, FLAGS.steps,
                                  FLAGS.respacing, FLAGS.eta, FLAGS.batch_size, FLAGS.ema, npz=FLAGS.npz,
-                                 guide_ckpt=FLAGS.guide_ckpt, guidance=FLAGS.guidance)
+                                 guide_ckpt=FLAGS.guide_ckpt, guidance=FLAGS.guidance, class_label=FLAGS.class_label)
         step = sampling.run_job(job, FLAGS.num_gpus)
     guided = f", guided by {FLAGS.guide_ckpt} with w={FLAGS.guidance:g}" if FLAGS.guide_ckpt else ""
     print(f"{FLAGS.num_images} images in {FLAGS.output} (grid.png{', samples.npz' if FLAGS.npz else ''}), "
