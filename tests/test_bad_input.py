@@ -37,6 +37,9 @@ def shared(tmp_path_factory, tiny_config, tiny_images):
     np.savez(root / "data.npz", arr_0=tiny_images(16))
     cfg = tiny_config(total_steps=2, dataset="npz", data_path=str(root / "data.npz"), logdir=str(root / "run"))
     train(cfg, tiny_images(16), progress=False)
+    np.savez(root / "labelled.npz", arr_0=tiny_images(16), arr_1=np.arange(16) % 3)
+    train(cfg.replace(data_path=str(root / "labelled.npz"), logdir=str(root / "conditional"), num_classes=3),
+          tiny_images(16), progress=False)
     sampling.run_job(sampling.SampleJob(str(root / "run"), str(root / "samples"), 2, sampler="ddim", steps=2,
                                         progress=False))
     shutil.copytree(root / "samples", root / "samples_truncated")
@@ -204,6 +207,12 @@ CASES = [
     ("guide-of-another-recipe", "sample", [*SAMPLE, "--guide_ckpt=cosine.pkl", "--guidance=2"],
      "--guide_ckpt cosine.pkl was trained with different beta_schedule (--beta_schedule=cosine) than the sampled"),
     ("guide-missing", "sample", [*SAMPLE, "--guide_ckpt=nope.pkl", "--guidance=2"], "no checkpoint file at nope.pkl"),
+    ("unconditional-guide", "sample", [*SAMPLE, "--ckpt=conditional", "--guide_ckpt=run", "--guidance=2"],
+     "--guide_ckpt run was trained with different num_classes (--num_classes=0) than the sampled model"),
+    ("class-of-an-unconditional-model", "sample", [*SAMPLE, "--class_label=1"],
+     "--class_label: class 1 asked of an unconditional model (trained without --num_classes)"),
+    ("class-outside", "sample", [*SAMPLE, "--ckpt=conditional", "--class_label=3"],
+     "--class_label: class 3 is outside the model's classes 0..2"),
     ("output-of-unguided-images", "sample", [*SAMPLE, "--ckpt={shared}/run", "--output={shared}/samples",
                                              "--guide_ckpt={shared}/run", "--guidance=2"],
      "holds images made with other settings (guidance: None -> 2.0"),
@@ -237,6 +246,8 @@ CASES = [
     ("too-many-images", "nll", ["--ckpt=run", "--num_images=20", "data.npz"],
      "data.npz has 16 images, fewer than --num_images=20"),
     ("respacing-over-T", "nll", ["--ckpt=run", "--respacing=50", "data.npz"], "cannot keep 50"),
+    ("class-conditional", "nll", ["--ckpt=conditional", "data.npz"],
+     "conditional is class-conditional (--num_classes 3); the bound needs each image's class"),
     ("crafted-checkpoint", "nll", ["--ckpt=evil.pkl", "data.npz"], "refusing to load builtins.exec"),
     ("batch-zero", "nll", ["--ckpt=run", "--batch_size=0", "data.npz"], "must be positive"),
     # convert

@@ -152,7 +152,8 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
         floor = float(frechet_distance(*real, *reference))
         fid, samples = model_fid(model, diffusion, cfg.image_shape, reference, num_images, cfg.seed, sampler, steps,
                                  batch_size=batch_size, progress=True, guidance=guide)
-        save_png(os.path.join(output, "samples.png"), make_grid(samples[:64], nrow=8))
+        columns = cfg.num_classes or 8  # a class-conditional model: a column per class (image i: class i mod n)
+        save_png(os.path.join(output, "samples.png"), make_grid(samples[:64 // columns * columns], nrow=columns))
         save_png(os.path.join(output, "real.png"), make_grid(images[:64], nrow=8))
         save_npz(os.path.join(output, "samples.npz"), arr_0=samples)
         summary = {"steps": int(step), "steps_this_run": int(step - start_step),

@@ -59,6 +59,9 @@ def main(argv):
         if FLAGS.batch_size < 1 or (FLAGS.num_images is not None and FLAGS.num_images < 1):
             raise UsageError("--batch_size and --num_images must be positive")
         model, diffusion, cfg, step = load_model(FLAGS.ckpt, ema=FLAGS.ema)
+        if cfg.num_classes:
+            raise UsageError(f"{FLAGS.ckpt} is class-conditional (--num_classes {cfg.num_classes}); the bound needs "
+                             "each image's class, which scripts.nll does not read: use an unconditional model")
         try:
             chain = diffusion.respaced(FLAGS.steps, FLAGS.respacing)
         except ValueError as err:

@@ -32,10 +32,11 @@ def write_run_files(cfg):
 
 def sample_grid(model, diffusion, cfg):
     """An image grid (uint8 HWC) of ``model``'s images 0..sample_num-1 of the run seed (the same noise at
-    every step and on resume), sampled with the grid sampler and step count."""
+    every step and on resume), sampled with the grid sampler and step count; a class-conditional model's has a
+    column per class."""
     images = generate_images(model, diffusion, cfg.image_shape, range(cfg.sample_num), cfg.seed, cfg.sample_sampler,
                              cfg.sample_steps, batch_size=cfg.sample_num)
-    return make_grid(images)
+    return make_grid(images, nrow=cfg.num_classes or None)
 
 
 def grid_path(logdir, step):
