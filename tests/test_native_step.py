@@ -210,8 +210,8 @@ def test_an_error_in_a_worker_is_raised_by_the_caller(tiny_config, monkeypatch, 
     x_t = batch(0)
     t = np.zeros(16, np.int32)
     step.loss_and_gradients(flat, x_t, t, x_t)
-    bad = (x_t[:8], x_t[:8, :, :4], np.ones(8, np.float32), np.zeros((8, 32), np.float32), 0)  # wrong target size
-    good = (x_t[:8], x_t[:8], np.ones(8, np.float32), np.zeros((8, 32), np.float32), 0)
+    bad = (x_t[:8], x_t[:8, :, :4], np.ones(8, np.float32), np.zeros((8, 32), np.float32), None, 0)  # wrong target
+    good = (x_t[:8], x_t[:8], np.ones(8, np.float32), np.zeros((8, 32), np.float32), None, 0)
     with pytest.raises(WorkerError, match="a training worker process failed: .*ValueError"):
         step.workers.gradients(flat, [good, bad], 16)
     assert step.workers.processes == []  # stopped
