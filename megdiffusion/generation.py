@@ -57,7 +57,7 @@ def image_seed(seed, index):
 def image_classes(num_classes, indices):
     """The class labels of images ``indices`` of a class-conditional model: image i is of class i mod
     ``num_classes``, so every run of n images holds each class n / num_classes times (rounded)."""
-    return np.asarray(indices, dtype=np.int64).astype(np.int32) % num_classes
+    return (np.asarray(indices, dtype=np.int64) % num_classes).astype(np.int32)
 
 
 def generate_images(model, diffusion, image_shape, indices, seed, sampler="ddpm", steps=None, eta=0.0,

@@ -280,6 +280,8 @@ def unet_forward(model, weights, grads, x, temb_in, labels=None, rng=None):
     a, dense0_back = layers.linear(model.temb_dense0, temb_in)
     a, silu0_back = layers.silu(a)
     temb, dense1_back = layers.linear(model.temb_dense1, a)
+    if (labels is None) != (model.class_emb is None):
+        raise ValueError("class labels go with a class-conditional network, and only with one")
     class_back = None
     if model.class_emb is not None:
         class_temb, class_back = layers.embedding(model.class_emb, labels)
