@@ -117,7 +117,7 @@ class NativeModel:
     def __call__(self, x, t, y=None):
         x = x.numpy()
         temb_in = timestep_embedding(t, self.model.model_channels, self.model.time_embedding).numpy()
-        labels = None if y is None else np.asarray(y.numpy() if hasattr(y, "numpy") else y)
+        labels = None if y is None else y.numpy()
         groups = [(x[p], temb_in[p], _part(labels, p)) for p in _groups(len(x))]
         if self.workers is None:
             self.workers = _workers(self.model, self.shapes, len(groups))

@@ -32,13 +32,13 @@ def _read_idx(path):
             data = f.read()
     except (OSError, EOFError) as exc:
         raise DatasetError(f"cannot read idx file {path}: {exc}") from None
-    return data, [int.from_bytes(data[i:i + 4], "big") for i in range(0, min(len(data), 16) // 4 * 4, 4)]
+    return data, [int.from_bytes(data[i:i + 4], "big") for i in range(0, 16, 4)]  # 0 past a short file's end
 
 
 def read_idx_images(path):
     """Read an idx3-ubyte image file (optionally gzipped) as uint8 (N, H, W, 1)."""
     data, header = _read_idx(path)
-    magic, n, h, w = (header + [0] * 4)[:4]
+    magic, n, h, w = header
     if magic != 2051 or len(data) != 16 + n * h * w:
         raise DatasetError(f"{path} is not an idx3 image file (magic {magic}, {len(data)} bytes)")
     return np.frombuffer(data, np.uint8, offset=16).reshape(n, h, w, 1)
@@ -47,7 +47,7 @@ def read_idx_images(path):
 def read_idx_labels(path):
     """Read an idx1-ubyte label file (optionally gzipped) as int32 (N,)."""
     data, header = _read_idx(path)
-    magic, n = (header + [0] * 2)[:2]
+    magic, n = header[:2]
     if magic != 2049 or len(data) != 8 + n:
         raise DatasetError(f"{path} is not an idx1 label file (magic {magic}, {len(data)} bytes)")
     return np.frombuffer(data, np.uint8, offset=8).astype(np.int32)
@@ -68,8 +68,9 @@ def _fashion_mnist_file(path, kind):
     if path.is_file():
         if kind == IMAGES:
             return path
-        stem = path.name.removesuffix(".gz").replace(IMAGES, kind)
-        found = _idx_file(path.parent, stem) if stem != path.name.removesuffix(".gz") else None
+        name = path.name.removesuffix(".gz")
+        stem = name.replace(IMAGES, kind)
+        found = _idx_file(path.parent, stem) if stem != name else None
         if found is None:
             raise DatasetError(f"no {kind} file beside {path} (expected {stem}[.gz]); point --data_path at the "
                                "directory of the Fashion-MNIST idx files")
