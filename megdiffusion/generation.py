@@ -24,29 +24,41 @@ import megengine.functional as F
 from megdiffusion.diffusion.samplers import eval_mode
 from megdiffusion.images import to_uint8
 from megdiffusion.native import NativeModel
+from megdiffusion.nn.options import NO_CLASS
 
 
 @dataclass(frozen=True)
 class Autoguidance:
     """Guide sampling with ``model``, a weaker version of the sampled model (same inputs and predictions):
-    prediction = bad + ``weight`` * (good - bad). A learned variance is taken from the good model alone."""
+    prediction = bad + ``weight`` * (good - bad). A learned variance is taken from the good model alone. With
+    ``unconditional``, the guide (a class-conditional model trained with ``--class_dropout``) predicts without a
+    class: classifier-free guidance when it is the sampled model itself, both kinds at once when it is earlier."""
 
     model: object
     weight: float
+    unconditional: bool = False
 
 
 class _Guided:
-    """The network ``bad + weight * (good - bad)`` on the prediction channels (the first ``channels``)."""
+    """The network ``bad + weight * (good - bad)`` on the prediction channels (the first ``channels``); the bad
+    network sees no class when ``unconditional``."""
 
-    def __init__(self, good, bad, weight, channels):
+    def __init__(self, good, bad, weight, channels, unconditional=False):
         self.good, self.bad, self.weight, self.channels = good, bad, weight, channels
+        self.unconditional = unconditional
 
-    def __call__(self, x, t, **labels):
-        good, bad = self.good(x, t, **labels), self.bad(x, t, **labels)
+    def __call__(self, x, t, y=None):
+        bad_y = F.full_like(y, NO_CLASS) if self.unconditional else y
+        good, bad = self.good(x, t, **_labels(y)), self.bad(x, t, **_labels(bad_y))
         guided = bad + self.weight * (good - bad)
         if good.shape[1] == self.channels:
             return guided
         return F.concat([guided[:, :self.channels], good[:, self.channels:]], axis=1)
+
+
+def _labels(y):
+    """The keyword arguments of a network call with class labels ``y`` (None: an unconditional network)."""
+    return {} if y is None else {"y": y}
 
 
 def image_seed(seed, index):
@@ -78,7 +90,8 @@ def generate_images(model, diffusion, image_shape, indices, seed, sampler="ddpm"
     with contextlib.ExitStack() as stack:
         network = _network(model, stack) if indices else model
         if guidance is not None and indices:
-            network = _Guided(network, _network(guidance.model, stack), guidance.weight, image_shape[0])
+            network = _Guided(network, _network(guidance.model, stack), guidance.weight, image_shape[0],
+                              guidance.unconditional)
         for start in range(0, len(indices), batch_size):
             chunk = indices[start:start + batch_size]
             conditioned = network

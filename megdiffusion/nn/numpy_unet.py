@@ -20,6 +20,7 @@ import types
 import numpy as np
 
 from megdiffusion.nn import onednn
+from megdiffusion.nn.options import NO_CLASS
 
 
 def describe(module, params):
@@ -123,12 +124,13 @@ class _Layers:
         return y, backward
 
     def embedding(self, module, labels):
-        """Rows ``labels`` of ``module``'s (an Embedding) table."""
+        """Rows ``labels`` of ``module``'s (an Embedding) table; zeros for the label ``NO_CLASS``."""
+        known = labels != NO_CLASS
 
         def backward(dy):
-            np.add.at(self.grads[module.weight], labels, dy)
+            np.add.at(self.grads[module.weight], labels[known], dy[known])
 
-        return self.w(module.weight)[labels], backward
+        return np.where(known[:, None], self.w(module.weight)[np.where(known, labels, 0)], 0), backward
 
     def group_norm(self, module, x):
         n, c = len(x), x.shape[-1]

@@ -17,3 +17,7 @@ DOWNSAMPLE_PADDING = "bottom_right"
 # is [cos | sin] with frequencies exp(-ln(1e4) i / half).
 TIME_EMBEDDINGS = ("ho", "pytorch_ddpm", "iddpm")
 TIME_EMBEDDING = "ho"
+
+# The class label of "no class": it adds no class embedding, so a class-conditional network trained with some labels
+# dropped (``--class_dropout``) predicts unconditionally for it (classifier-free guidance).
+NO_CLASS = -1

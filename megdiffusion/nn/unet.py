@@ -24,8 +24,8 @@ from megdiffusion.nn.layers import (
     silu,
     timestep_embedding,
 )
-from megdiffusion.nn.options import DOWNSAMPLE_PADDING, DOWNSAMPLE_PADDINGS, NORM_EPS, NORM_GROUPS, TIME_EMBEDDING, \
-    TIME_EMBEDDINGS
+from megdiffusion.nn.options import DOWNSAMPLE_PADDING, DOWNSAMPLE_PADDINGS, NO_CLASS, NORM_EPS, NORM_GROUPS, \
+    TIME_EMBEDDING, TIME_EMBEDDINGS
 
 
 class DownLevel(M.Module):
@@ -144,8 +144,9 @@ class UNet(M.Module):
     ``num_heads`` heads in every attention block, or heads of ``num_head_channels`` channels each when that is
     set, and ``out_channels`` = 2 * in_channels for a learned variance. With ``num_classes`` > 0 the network is
     class-conditional (improved-diffusion's ``class_cond``): ``forward(x, t, y)`` adds a learned embedding of the
-    class labels y (N,) to the time embedding. It is made after every other weight, so the other initial weights
-    are those of the unconditional network of the same seed.
+    class labels y (N,) to the time embedding (nothing for the label ``NO_CLASS``: the unconditional prediction).
+    It is made after every other weight, so the other initial weights are those of the unconditional network of the
+    same seed.
     """
 
     def __init__(
@@ -250,7 +251,8 @@ class UNet(M.Module):
             raise ValueError(f"a class-conditional network ({self.num_classes} classes) needs class labels y"
                              if y is None else "an unconditional network takes no class labels")
         if y is not None:
-            temb = temb + self.class_emb(y)
+            known = (y != NO_CLASS).astype("float32")
+            temb = temb + self.class_emb(F.maximum(y, 0)) * F.expand_dims(known, 1)
         h, hs = self.encode(x, temb)
         for level in reversed(self.up):
             h = level(h, temb, hs)

@@ -39,7 +39,7 @@ NETWORK_FIELDS = ("image_size", "image_channels", "model_channels", "channel_mul
                   "use_scale_shift_norm", "num_heads", "num_head_channels", "rescale_timesteps", "num_classes")
 # Config fields a resumed run must share with its checkpoint (the network and the maths).
 RECIPE_FIELDS = NETWORK_FIELDS + ("num_timesteps", "beta_schedule", "mean_type", "var_type", "loss_type",
-                                  "min_snr_gamma", "input_perturbation")
+                                  "min_snr_gamma", "input_perturbation", "class_dropout")
 # Config fields a guiding model (``sampling.load_guidance``) must share with the sampled one: what the network sees
 # and what it predicts.
 GUIDE_FIELDS = ("image_size", "image_channels", "rescale_timesteps", "num_timesteps", "beta_schedule", "mean_type",

@@ -77,6 +77,10 @@ class TrainConfig:
     num_classes: int = _flag(0, "Class-conditional training on the dataset's labels with this many classes "
                              "(improved-diffusion's class_cond; Fashion-MNIST and CIFAR-10: 10); sampling then "
                              "gives image i the class i mod num_classes. 0: unconditional.", min=0)
+    class_dropout: float = _flag(0.0, "Share of a class-conditional run's training images whose label is dropped "
+                                 "(the network sees no class), so that the same network also predicts "
+                                 "unconditionally: classifier-free guidance (Ho & Salimans 2022: 0.1-0.2).",
+                                 min=0, below=1)
     # Diffusion
     num_timesteps: int = _flag(1000, "Number of diffusion steps T.")
     beta_schedule: str = _flag("linear", "Beta schedule.", choices=SCHEDULES)
@@ -259,6 +263,8 @@ def validate(cfg):
         diffusion = build_diffusion(cfg)
     except ValueError as err:
         raise ConfigError(f"bad diffusion flags: {err}") from None
+    if cfg.class_dropout and not cfg.num_classes:
+        raise ConfigError("--class_dropout drops class labels: it needs a class-conditional run (--num_classes)")
     if cfg.input_perturbation and cfg.mean_type == "xprev":
         raise ConfigError("--input_perturbation needs --mean_type eps, xstart or v: the xprev target is made from "
                           "the perturbed x_t")

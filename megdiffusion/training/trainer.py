@@ -20,6 +20,7 @@ from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import output_directory
 from megdiffusion.images import save_png
 from megdiffusion.nn.conv import fast_conv_enabled
+from megdiffusion.nn.options import NO_CLASS
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
 from megdiffusion.training.config import TrainConfig, build_diffusion, build_model
@@ -136,6 +137,8 @@ class Trainer:
         dropout_seed = int(rng.integers(2 ** 31))
         perturbation = (np.float32(cfg.input_perturbation) * rng.standard_normal(x0.shape, dtype=np.float32)
                         if cfg.input_perturbation else None)
+        if cfg.class_dropout and labels is not None:
+            labels = np.where(rng.random(len(x0)) < cfg.class_dropout, NO_CLASS, labels).astype(labels.dtype)
         mge.random.seed(dropout_seed)
         lr = warmup_lr(cfg, self.step_count)
         for group in self._optimizer.param_groups:
