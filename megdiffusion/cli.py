@@ -76,7 +76,8 @@ def reject_arguments(argv):
 
 
 def define_guidance_flags():
-    """--guide_ckpt and --guidance (autoguidance, ``generation.Autoguidance``) for the sampling and FID scripts."""
+    """--guide_ckpt, --guidance and --guide_unconditional (autoguidance and classifier-free guidance,
+    ``generation.Autoguidance``) for the sampling and FID scripts."""
     from absl import flags
 
     flags.DEFINE_string("guide_ckpt", None, "Autoguidance (Karras et al. 2024): a weaker model to guide the sampled "
@@ -85,3 +86,6 @@ def define_guidance_flags():
     flags.DEFINE_float("guidance", 1.0, "With --guide_ckpt: the guidance weight w, prediction = guide + w (model - "
                        "guide); 1 is no guidance. The demo uses 2.5 with the checkpoint 40% of the way through its "
                        "training.")
+    flags.DEFINE_bool("guide_unconditional", False, "With --guide_ckpt: the guide predicts without a class (a "
+                      "class-conditional run trained with --class_dropout). With the sampled checkpoint itself as "
+                      "--guide_ckpt this is classifier-free guidance (Ho & Salimans 2022).")

@@ -46,6 +46,7 @@ class SampleJob:
     npz: bool = True  # also write samples.npz
     guide_ckpt: Optional[str] = None  # autoguidance: the weaker model (``load_guidance``)
     guidance: float = 1.0  # its weight w: bad + w (good - bad); 1 is no guidance
+    guide_unconditional: bool = False  # the guide predicts without a class (classifier-free guidance)
     class_label: Optional[int] = None  # a class-conditional model: every image of this class (None: i mod classes)
 
     def manifest(self, step, guide_step=None):
@@ -56,6 +57,8 @@ class SampleJob:
         if self.guide_ckpt:  # absent without guidance, so directories written before it existed still continue
             settings.update(guide_checkpoint=os.path.abspath(self.guide_ckpt), guide_step=guide_step,
                             guidance=self.guidance)
+            if self.guide_unconditional:  # the same
+                settings["guide_unconditional"] = True
         if self.class_label is not None:  # the same
             settings["class_label"] = self.class_label
         return settings
@@ -73,7 +76,7 @@ def run_job(job, num_gpus=1):
         check_class_label(job.class_label, cfg.num_classes)
     except ValueError as err:
         raise SamplingError(f"--class_label: {err}") from None
-    guidance, guide_step = load_guidance(job.guide_ckpt, job.guidance, cfg, job.ema)
+    guidance, guide_step = load_guidance(job.guide_ckpt, job.guidance, cfg, job.ema, job.guide_unconditional)
     with output_directory(job.output, "--output", MANIFEST):
         prepare_output(job.output, job.manifest(step, guide_step))
         if num_gpus == 1:
@@ -92,7 +95,7 @@ def sample_share(job, loaded=None, guidance=None):
     """
     model, diffusion, cfg, _ = loaded or load_model(job.ckpt, job.ema)
     if loaded is None:
-        guidance, _ = load_guidance(job.guide_ckpt, job.guidance, cfg, job.ema)
+        guidance, _ = load_guidance(job.guide_ckpt, job.guidance, cfg, job.ema, job.guide_unconditional)
     rank, world_size = distributed.rank_and_world()
     return sample_to_directory(model, diffusion, cfg.image_shape, job.output, job.num_images, job.seed, job.sampler,
                                job.steps, job.eta, job.batch_size, rank, world_size, job.progress, job.respacing,
@@ -113,15 +116,19 @@ def load_model(ckpt_or_logdir, ema=True):
     return model, build_diffusion(cfg), cfg, state["step"]
 
 
-def load_guidance(guide_ckpt, weight, cfg, ema=True):
+def load_guidance(guide_ckpt, weight, cfg, ema=True, unconditional=False):
     """``(Autoguidance, step)`` of the weaker model in ``guide_ckpt`` (a file or logdir) with ``weight``, for a
-    model trained with ``cfg``; ``(None, None)`` without guidance (no ``guide_ckpt`` and weight 1). Raises
-    ``SamplingError`` for a weight below 1, one without the other, or a guide that sees or predicts other things
-    (``checkpoint.GUIDE_FIELDS``: its width and depth may differ)."""
+    model trained with ``cfg``; ``(None, None)`` without guidance (no ``guide_ckpt`` and weight 1). ``unconditional``:
+    the guide predicts without a class. Raises ``SamplingError`` for a weight below 1, one without the other, a
+    guide that sees or predicts other things (``checkpoint.GUIDE_FIELDS``: its width and depth may differ), or an
+    unconditional guide that was not trained to be one (``--class_dropout``)."""
     if not math.isfinite(weight) or weight < 1:
         raise SamplingError(f"--guidance must be a number >= 1 (1: no guidance; Karras et al. use 1.5 to 3), "
                             f"got {weight:g}")
     if not guide_ckpt:
+        if unconditional:
+            raise SamplingError("--guide_unconditional needs --guide_ckpt (the sampled checkpoint itself for "
+                                "classifier-free guidance)")
         if weight != 1:
             raise SamplingError(f"--guidance {weight:g} needs --guide_ckpt, the weaker model to guide with (an "
                                 "earlier checkpoint of the same run)")
@@ -134,7 +141,10 @@ def load_guidance(guide_ckpt, weight, cfg, ema=True):
         raise SamplingError(f"--guide_ckpt {guide_ckpt} was trained with different {', '.join(changed)} "
                             f"({' '.join(changed.values())}) than the sampled model; guide with a checkpoint of "
                             "the same run")
-    return Autoguidance(model, float(weight)), step
+    if unconditional and not guide_cfg.class_dropout:
+        raise SamplingError(f"--guide_unconditional: {guide_ckpt} was trained without --class_dropout, so it never "
+                            "learnt to predict without a class; guide it with the class (drop the flag)")
+    return Autoguidance(model, float(weight), unconditional), step
 
 
 def check_sampler(diffusion, sampler, steps, eta=0.0, respacing=None):

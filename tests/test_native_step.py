@@ -12,6 +12,7 @@ from megdiffusion.compat import quiet_megengine
 from megdiffusion.nn import numpy_unet, onednn
 from megdiffusion.nn.conv import fast_conv_enabled, set_fast_conv
 from megdiffusion.nn.layers import timestep_embedding
+from megdiffusion.nn.options import NO_CLASS
 from megdiffusion.nn.unet import UNet
 from megdiffusion import native
 from megdiffusion.training import trainer as trainer_module
@@ -99,8 +100,9 @@ def test_the_numpy_pass_is_the_unet_and_its_gradients(name):
 
 
 @pytest.mark.parametrize("loss", [dict(), dict(mean_type="xstart", min_snr_gamma=5.0), dict(mean_type="v"),
-                                  dict(input_perturbation=0.1), dict(num_classes=3)],
-                         ids=["eps", "xstart-minsnr", "v", "input-perturbation", "class-conditional"])
+                                  dict(input_perturbation=0.1), dict(num_classes=3),
+                                  dict(num_classes=3, class_dropout=0.3)],
+                         ids=["eps", "xstart-minsnr", "v", "input-perturbation", "class-conditional", "no-class"])
 def test_native_loss_and_gradients_are_training_losses(tiny_config, loss):
     """NativeStep on a batch of 20 (three groups: a worker process computes some) against the batch mean of
     ``training_losses`` through MegEngine's autodiff, with Min-SNR weights, the x_0 and v targets, input
@@ -117,6 +119,8 @@ def test_native_loss_and_gradients_are_training_losses(tiny_config, loss):
     perturbation = (np.float32(cfg.input_perturbation) * rng.standard_normal(x0.shape).astype(np.float32)
                     if cfg.input_perturbation else None)
     labels = rng.integers(0, cfg.num_classes, 20).astype(np.int32) if cfg.num_classes else None
+    if cfg.class_dropout:  # some labels dropped, as Trainer.step does
+        labels[rng.random(20) < cfg.class_dropout] = NO_CLASS
     network = model if labels is None else functools.partial(model, y=mge.tensor(labels))
     params = list(model.parameters())
     losses = []
@@ -148,17 +152,22 @@ def batch(seed, n=16):
     return np.random.default_rng(seed).uniform(-1, 1, (n, 1, 8, 8)).astype(np.float32)
 
 
-@pytest.mark.parametrize("changes", [dict(), dict(input_perturbation=0.1), dict(num_classes=3)],
-                         ids=["recipe", "input-perturbation", "class-conditional"])
+@pytest.mark.parametrize("changes", [dict(), dict(input_perturbation=0.1), dict(num_classes=3),
+                                     dict(num_classes=3, class_dropout=0.5)],
+                         ids=["recipe", "input-perturbation", "class-conditional", "class-dropout"])
 def test_native_steps_are_megengine_steps(tiny_config, fast_path, changes):
     """Three Trainer steps of batch 16 through the numpy pass and through MegEngine's autodiff (both with the numpy
     update): the same losses, gradient norms and weights up to float32 rounding, with input perturbation and class
-    labels (the class embedding's rows learn only from their own labels) too."""
+    labels (the class embedding's rows learn only from their own labels) too, some of them dropped (the network
+    sees NO_CLASS for about that share of them, and the given class for the others)."""
     cfg = tiny_config(batch_size=16, channel_mult=(1, 2), attention_resolutions=(4,), norm_groups=4, lr=1e-3,
                       **changes)
     numpy_run, autodiff = Trainer(cfg), Trainer(cfg)
     autodiff.native_step = None
     assert numpy_run.native_step is not None
+    seen = []
+    native_pass = numpy_run.native_step.loss_and_gradients
+    numpy_run.native_step.loss_and_gradients = lambda *args: (seen.append(args[-1]), native_pass(*args))[1]
     labels = (np.arange(16) % 2).astype(np.int32) if cfg.num_classes else None  # class 2 is never seen
     if cfg.num_classes:
         unseen = numpy_run.model.class_emb.weight.numpy()[2]
@@ -172,6 +181,10 @@ def test_native_steps_are_megengine_steps(tiny_config, fast_path, changes):
         rows = numpy_run.model.class_emb.weight.numpy()
         np.testing.assert_array_equal(rows[2], unseen)
         assert np.abs(rows[:2] - autodiff.model.class_emb.weight.numpy()[:2]).max() < 1e-5
+        seen = np.concatenate(seen)
+        dropped = seen == NO_CLASS
+        np.testing.assert_array_equal(seen[~dropped], np.tile(labels, 3)[~dropped])
+        assert 0.5 - 0.25 < dropped.mean() < 0.5 + 0.25 if cfg.class_dropout else not dropped.any()
     numpy_run.native_step.workers.close()
 
 

@@ -13,6 +13,7 @@ import pytest
 from megdiffusion import sampling
 from megdiffusion.compat import cuda_driver_loadable, quiet_megengine
 from megdiffusion.generation import Autoguidance, _Guided, generate_images
+from megdiffusion.nn.options import NO_CLASS
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
 from megdiffusion.training.trainer import TrainingRun
@@ -123,6 +124,35 @@ def test_a_class_conditional_models_image_i_is_of_class_i_mod_num_classes(condit
         assert np.abs(by_class[0].astype(int) - by_class[1]).mean() > 2
     one_class = generate_images(good, diffusion, SHAPE, range(6), 0, "ddpm", 5, batch_size=4, class_label=2)
     assert np.abs(one_class.astype(int) - of_class(2)).max() <= 1
+
+
+def test_an_unconditional_guide_predicts_without_a_class(conditional_logdir):
+    """Autoguidance(unconditional=True): image i is guide(NO_CLASS) + 2.5 (model(class i mod 3) - guide(NO_CLASS)),
+    computed here by MegEngine's own modules, with an earlier model as the guide and with the model itself
+    (classifier-free guidance); not the images of a guide that sees the class."""
+    from megdiffusion.compat import assign_
+
+    good, diffusion, _, _ = sampling.load_model(str(conditional_logdir), ema=True)
+    bad = sampling.load_model(str(conditional_logdir), ema=False)[0]
+    for model, seed in ((good, 1), (bad, 2)):  # classes far apart, so that a wrong label shows
+        assign_(model.class_emb.weight, mge.tensor(np.random.default_rng(seed).normal(0, 3, (3, 128)), "float32"))
+
+    def of_class(c, guide):
+        def network(x, t):
+            y, none = mge.tensor(np.full(len(x), c, np.int32)), mge.tensor(np.full(len(x), NO_CLASS, np.int32))
+            return guide(x, t, none) + 2.5 * (good(x, t, y) - guide(x, t, none))
+
+        return generate_images(network, diffusion, SHAPE, range(6), 0, "ddpm", 5, batch_size=6)
+
+    for guide in (bad, good):
+        got = generate_images(good, diffusion, SHAPE, range(6), 0, "ddpm", 5, batch_size=4,
+                              guidance=Autoguidance(guide, 2.5, unconditional=True))
+        by_class = [of_class(c, guide) for c in range(3)]
+        assert np.abs(got.astype(int) - np.stack([by_class[i % 3][i] for i in range(6)])).max() <= 1
+    seeing_the_class = generate_images(good, diffusion, SHAPE, range(6), 0, "ddpm", 5, guidance=Autoguidance(bad, 2.5))
+    unconditional_guide = generate_images(good, diffusion, SHAPE, range(6), 0, "ddpm", 5,
+                                          guidance=Autoguidance(bad, 2.5, unconditional=True))
+    assert np.abs(seeing_the_class.astype(int) - unconditional_guide).mean() > 2
 
 
 def test_class_label_of_the_sample_script(conditional_logdir, tmp_path):

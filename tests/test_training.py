@@ -9,6 +9,7 @@ from megdiffusion import batch_threads
 
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.data.loader import BatchLoader
+from megdiffusion.nn.options import NO_CLASS
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion import native
 from megdiffusion.training import distributed
@@ -175,6 +176,22 @@ def ramps_of_class(labels):
     return np.broadcast_to(images, (len(labels), 8, 8))[:, None].astype(np.float32).copy()
 
 
+def train_on_ramps(trainer, steps):
+    """``steps`` updates on batches of 8 ramps of random classes."""
+    for k in range(steps):
+        batch_labels = np.random.default_rng(k).integers(0, 2, 8).astype(np.int32)
+        trainer.step(ramps_of_class(batch_labels), batch_labels)
+
+
+def denoising_loss(trainer, given):
+    """The model's mean loss at t = 20 on 16 ramps of classes 0, 1, 0, ... told they are of the classes ``given``."""
+    x0 = ramps_of_class(np.arange(16, dtype=np.int32) % 2)
+    noise = np.random.default_rng(99).standard_normal((16, 1, 8, 8), dtype=np.float32)
+    network = functools.partial(trainer.model, y=mge.tensor(given))
+    return float(trainer.diffusion.training_losses(network, mge.tensor(x0), mge.tensor(np.full(16, 20, np.int32)),
+                                                   mge.tensor(noise))["loss"].mean().numpy())
+
+
 def test_a_class_conditional_unet_learns_what_its_labels_mean(tiny_config):
     """Two classes that differ only in orientation: after 80 steps on labelled batches, denoising at t = 20 of 100
     with the true labels has a loss well below the one with the labels swapped (0.30 of it when written); before
@@ -182,18 +199,20 @@ def test_a_class_conditional_unet_learns_what_its_labels_mean(tiny_config):
     trainer = Trainer(tiny_config(channel_mult=(1, 2), attention_resolutions=(4,), num_timesteps=100, lr=2e-3,
                                   num_classes=2))
     labels = np.arange(16, dtype=np.int32) % 2
-    x0, noise = ramps_of_class(labels), np.random.default_rng(99).standard_normal((16, 1, 8, 8), dtype=np.float32)
+    assert denoising_loss(trainer, labels) == denoising_loss(trainer, 1 - labels)
+    train_on_ramps(trainer, 80)
+    assert denoising_loss(trainer, labels) < 0.6 * denoising_loss(trainer, 1 - labels)
 
-    def loss(given):
-        network = functools.partial(trainer.model, y=mge.tensor(given))
-        return float(trainer.diffusion.training_losses(network, mge.tensor(x0), mge.tensor(np.full(16, 20, np.int32)),
-                                                       mge.tensor(noise))["loss"].mean().numpy())
 
-    assert loss(labels) == loss(1 - labels)
-    for k in range(80):
-        batch_labels = np.random.default_rng(k).integers(0, 2, 8).astype(np.int32)
-        trainer.step(ramps_of_class(batch_labels), batch_labels)
-    assert loss(labels) < 0.6 * loss(1 - labels)
+def test_with_class_dropout_the_network_also_learns_without_a_class(tiny_config):
+    """Trained as above with a third of the labels dropped, the network denoises without a class (NO_CLASS) better
+    than with the wrong one and worse than with the right one: it has learnt the mixture of the two classes."""
+    trainer = Trainer(tiny_config(channel_mult=(1, 2), attention_resolutions=(4,), num_timesteps=100, lr=2e-3,
+                                  num_classes=2, class_dropout=0.3))
+    labels = np.arange(16, dtype=np.int32) % 2
+    train_on_ramps(trainer, 80)
+    assert (denoising_loss(trainer, labels) < denoising_loss(trainer, np.full(16, NO_CLASS, np.int32))
+            < denoising_loss(trainer, 1 - labels))
 
 
 @pytest.mark.parametrize("recipe", [{}, IMPROVED], ids=["ddpm", "improved"])

@@ -14,6 +14,7 @@ mge = quiet_megengine()
 import megengine.module as M  # noqa: E402
 
 from megdiffusion.nn import UNet  # noqa: E402
+from megdiffusion.nn.options import NO_CLASS  # noqa: E402
 from megdiffusion.nn.layers import AttnBlock, Downsample, ResBlock, timestep_embedding  # noqa: E402
 
 # 64 channels at the second level: with 32 channels in 32 groups, GroupNorm removes the per-channel
@@ -312,3 +313,25 @@ def test_class_conditional_unet_adds_a_class_embedding_to_the_time_embedding():
         model(x, t)
     with pytest.raises(ValueError, match="takes no class labels"):
         plain(x, t, mge.Tensor([0, 1], dtype="int32"))
+
+
+def test_the_label_no_class_gives_the_unconditional_network():
+    """A class-conditional network called with NO_CLASS adds no class embedding: it is the unconditional network
+    with the same other weights (all drawn at random here: the output layer starts at zero), row by row beside rows
+    that are given a class."""
+    plain, model = UNet(**TINY), UNet(**TINY, num_classes=3)
+    rng = np.random.default_rng(1)
+    weights = dict(model.named_parameters())
+    for name, p in plain.named_parameters():
+        value = mge.tensor(rng.standard_normal(p.shape).astype(np.float32) * 0.2)
+        assign_(p, value), assign_(weights[name], value)
+    assign_(model.class_emb.weight, mge.tensor(rng.standard_normal((3, 4 * TINY["model_channels"])), "float32"))
+    plain.eval(), model.eval()
+    x = mge.Tensor(np.random.default_rng(0).standard_normal((2, 1, 8, 8)).astype(np.float32))
+    t = mge.Tensor([5, 30], dtype="int32")
+    out = model(x, t, mge.Tensor([NO_CLASS, 2], dtype="int32")).numpy()
+    expected = plain(x, t).numpy()
+    np.testing.assert_allclose(out[0], expected[0], rtol=1e-5, atol=1e-6)
+    assert np.abs(out[1] - expected[1]).max() > 1e-3
+    np.testing.assert_allclose(out[1], model(x, t, mge.Tensor([0, 2], dtype="int32")).numpy()[1], rtol=1e-5,
+                               atol=1e-6)

@@ -53,7 +53,7 @@ def model_fid(reference_spec):
     model, diffusion, cfg, step = load_model(FLAGS.ckpt, ema=FLAGS.ema)
     steps = FLAGS.steps if FLAGS["steps"].present or not FLAGS.respacing else None  # --steps has a default
     check_sampler(diffusion, FLAGS.sampler, steps, FLAGS.eta, FLAGS.respacing)
-    guidance, _ = load_guidance(FLAGS.guide_ckpt, FLAGS.guidance, cfg, FLAGS.ema)
+    guidance, _ = load_guidance(FLAGS.guide_ckpt, FLAGS.guidance, cfg, FLAGS.ema, FLAGS.guide_unconditional)
     reference = _statistics(reference_spec)
     value, _ = score(model, diffusion, cfg.image_shape, reference, FLAGS.num_images, FLAGS.seed, FLAGS.sampler,
                      steps, FLAGS.eta, FLAGS.batch_size, FLAGS.progress, FLAGS.respacing, guidance)

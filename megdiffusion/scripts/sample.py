@@ -48,7 +48,8 @@ def main(argv):
             raise UsageError("--num_images, --batch_size and --num_gpus must be positive")
         job = sampling.SampleJob(FLAGS.ckpt, FLAGS.output, FLAGS.num_images, FLAGS.seed, FLAGS.sampler, FLAGS.steps,
                                  FLAGS.respacing, FLAGS.eta, FLAGS.batch_size, FLAGS.ema, npz=FLAGS.npz,
-                                 guide_ckpt=FLAGS.guide_ckpt, guidance=FLAGS.guidance, class_label=FLAGS.class_label)
+                                 guide_ckpt=FLAGS.guide_ckpt, guidance=FLAGS.guidance, class_label=FLAGS.class_label,
+                                 guide_unconditional=FLAGS.guide_unconditional)
         step = sampling.run_job(job, FLAGS.num_gpus)
     guided = f", guided by {FLAGS.guide_ckpt} with w={FLAGS.guidance:g}" if FLAGS.guide_ckpt else ""
     print(f"{FLAGS.num_images} images in {FLAGS.output} (grid.png{', samples.npz' if FLAGS.npz else ''}), "
