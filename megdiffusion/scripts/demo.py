@@ -144,7 +144,8 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
         guide, guide_step = None, None
         if guidance > 1:
             guide_model, _, _, guide_step = load_model(guide_path, ema=True)
-            guide = Autoguidance(guide_model, guidance)
+            # A run trained to predict without a class too (--class_dropout) is guided by its unconditional guide.
+            guide = Autoguidance(guide_model, guidance, unconditional=cfg.class_dropout > 0)
         cache = os.path.join(output, "reference", "fashion_mnist_{}{}.npz")
         reference = reference_statistics(images[:num_reference], cache.format("first", num_reference), batch_size,
                                          progress=True)
@@ -163,6 +164,7 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
                    "fid_floor": round(floor, 2), "verdict": verdict(float(fid), floor),
                    "fid_reference": f"the first {num_reference} embedded Fashion-MNIST images",
                    "sampler": f"{sampler}-{steps}", "guidance": guidance, "guide_step": guide_step,
+                   "guide_unconditional": bool(guide and guide.unconditional),
                    "samples_grid": os.path.join(output, "samples.png"),
                    "real_grid": os.path.join(output, "real.png")}
         write_text(os.path.join(output, "summary.json"), json.dumps(summary, indent=2) + "\n")
@@ -187,7 +189,9 @@ def main(argv):
         s = demo(FLAGS.output, minutes, FLAGS.resume, FLAGS.config or CPU_RECIPE,
                  FLAGS.num_images, FLAGS.num_reference, FLAGS.sampler, FLAGS.steps, FLAGS.batch_size, FLAGS.images,
                  FLAGS.guidance)
-    guided = (f", guided by the step-{s['guide_step']} model with w={s['guidance']:g}" if s["guidance"] > 1 else "")
+    unconditional = " unconditional" if s["guide_unconditional"] else ""
+    guided = (f", guided by the step-{s['guide_step']}{unconditional} model with w={s['guidance']:g}"
+              if s["guidance"] > 1 else "")
     print(f"\ndemo: {s['steps']} training steps ({s['steps_this_run']} in this run, {s['train_minutes']} min, "
           f"{s['train_images_per_s']} images/s)\n"
           f"demo: FID {s['fid']:.2f} (real-data floor {s['fid_floor']:.1f} in this protocol): {s['verdict']}\n"

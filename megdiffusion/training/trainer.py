@@ -125,7 +125,8 @@ class Trainer:
 
     def step(self, x0, labels=None):
         """One update on this rank's batch ``x0`` (float32 NCHW in [-1, 1]), with its class ``labels`` (int, (N,))
-        for a class-conditional network: {"loss", "grad_norm", "lr"}.
+        for a class-conditional network (with ``class_dropout``, each is replaced by ``NO_CLASS`` with that
+        probability, drawn after the step's other draws): {"loss", "grad_norm", "lr"}.
 
         The loss is the batch mean of ``training_losses``' ``loss``; gradients are averaged over ranks, clipped to
         ``grad_clip`` (the returned norm is the one before clipping), then Adam and the EMA update.
