@@ -36,6 +36,7 @@ def test_demo_trains_samples_scores_and_resumes(tmp_path):
     # Guided by the model 40% of the way through the training (saved as guide.pkl).
     assert summary["guidance"] == 2.5 and 0 <= summary["guide_step"] <= summary["steps"]
     assert f"guided by the step-{summary['guide_step']} model with w=2.5" in first.stdout
+    assert summary["guide_unconditional"] is False  # an unconditional recipe
     assert load_checkpoint(str(output / "guide.pkl"))["step"] == summary["guide_step"]
     assert summary["verdict"] == "still far from the data; train longer with --resume"
     assert (f"FID {summary['fid']:.2f} (real-data floor {summary['fid_floor']:.1f} in this protocol): still far from "
@@ -66,8 +67,24 @@ def test_demo_trains_samples_scores_and_resumes(tmp_path):
     assert restarted.returncode == 0, restarted.stderr
     again = json.loads((output / "summary.json").read_text())
     assert again["steps_this_run"] == again["steps"] and again["sampler"] == "ddim-2" and again["guidance"] == 1
-    assert again["guide_step"] is None  # no guide loaded when unguided
+    assert again["guide_step"] is None and again["guide_unconditional"] is False  # no guide loaded when unguided
     assert "guided" not in restarted.stdout
+
+
+def test_demo_guides_a_run_trained_with_class_dropout_without_a_class(tmp_path):
+    """A class-conditional recipe with --class_dropout: the guide predicts without a class (said in the summary and
+    the protocol line), and the sample grid has a column per class."""
+    home, output = tmp_path / "home", tmp_path / "out"
+    home.mkdir()
+    config = tmp_path / "cfg.cfg"
+    recipe = REPO / "configs" / "fashion_mnist_cpu.cfg"
+    config.write_text(f"--flagfile={recipe}\n--num_classes=10\n--class_dropout=0.2\n")
+    result = run_demo(output, home, f"--config={config}")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary["guide_unconditional"] is True
+    assert f"guided by the step-{summary['guide_step']} unconditional model with w=2.5" in result.stdout
+    assert Image.open(output / "samples.png").size == (2 + 10 * 30, 32)  # 4 samples in a row of 10 classes
 
 
 def test_demo_refuses_a_directory_it_did_not_make(tmp_path):
