@@ -68,11 +68,14 @@ class NativeStep:
                              ("sqrt_alphas_cumprod", "sqrt_one_minus_alphas_cumprod", "mse_weight")}
         self.workers = None
 
-    def loss_and_gradients(self, flat_weights, x0, t, noise, dropout_seed=0, perturbation=None, labels=None):
+    def loss_and_gradients(self, flat_weights, x0, t, noise, dropout_seed=0, perturbation=None, labels=None,
+                           batch_size=None, first_group=0):
         """(loss, flat gradient) for the batch x0 at timesteps ``t`` (int, (N,)) with ``noise`` (and
         ``perturbation`` added to the noise of x_t only, as ``training_losses``) and, for a class-conditional
         network, the class ``labels`` (N,); ``flat_weights``: the parameters' current values, one after the other in
-        ``params`` order. Group g draws its dropout masks from ``np.random.default_rng([dropout_seed, g])``."""
+        ``params`` order. The loss is the sum over x0 divided by ``batch_size`` (default N): x0 may be a micro-batch
+        of a larger batch, whose first sample is sample ``first_group * GROUP`` of it. Group g of that batch draws
+        its dropout masks from ``np.random.default_rng([dropout_seed, g])``."""
         coef = {name: values[t] for name, values in self.coefficients.items()}
         signal = coef["sqrt_alphas_cumprod"].reshape(-1, 1, 1, 1)
         noise_scale = coef["sqrt_one_minus_alphas_cumprod"].reshape(-1, 1, 1, 1)
@@ -82,14 +85,15 @@ class NativeStep:
         temb_in = timestep_embedding(self.diffusion.model_timesteps(t), self.model.model_channels,
                                      self.model.time_embedding).numpy()
         groups = [(x_t[p], target[p], coef["mse_weight"][p], temb_in[p], _part(labels, p), [dropout_seed, g])
-                  for g, p in enumerate(_groups(len(x0)))]
+                  for g, p in enumerate(_groups(len(x0)), start=first_group)]
         if self.workers is None:
             self.workers = _workers(self.model, self.shapes, len(groups))
-        results = self.workers.gradients(flat_weights, groups, len(x0))
+        batch_size = batch_size or len(x0)
+        results = self.workers.gradients(flat_weights, groups, batch_size)
         gradient = results[0][1].copy()
         for _, flat in results[1:]:
             gradient += flat
-        return sum(loss for loss, _ in results) / len(x0), gradient
+        return sum(loss for loss, _ in results) / batch_size, gradient
 
 
 class NativeModel:

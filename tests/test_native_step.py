@@ -167,7 +167,7 @@ def test_native_steps_are_megengine_steps(tiny_config, fast_path, changes):
     assert numpy_run.native_step is not None
     seen = []
     native_pass = numpy_run.native_step.loss_and_gradients
-    numpy_run.native_step.loss_and_gradients = lambda *args: (seen.append(args[-1]), native_pass(*args))[1]
+    numpy_run.native_step.loss_and_gradients = lambda *args, **kw: (seen.append(args[-1]), native_pass(*args, **kw))[1]
     labels = (np.arange(16) % 2).astype(np.int32) if cfg.num_classes else None  # class 2 is never seen
     if cfg.num_classes:
         unseen = numpy_run.model.class_emb.weight.numpy()[2]

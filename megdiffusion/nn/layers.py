@@ -133,7 +133,14 @@ class AttnBlock(M.Module):
         q = self.q(h).reshape(n * heads, d, height * width)
         k = self.k(h).reshape(n * heads, d, height * width)
         v = self.v(h).reshape(n * heads, d, height * width)
-        weights = F.softmax(F.matmul(q, k, transpose_a=True) * (d ** -0.5), axis=2)  # (n * heads, query, key)
+        if q.dtype == np.float16:
+            # Mixed precision (--amp): a sum over d products of float16 can overflow, so q and k are scaled before
+            # it (as improved-diffusion does), and the softmax, whose exponentials float16 would flush, runs in
+            # float32 (so then does the product with v).
+            logits = F.matmul(q * d ** -0.25, k * d ** -0.25, transpose_a=True).astype("float32")
+        else:
+            logits = F.matmul(q, k, transpose_a=True) * (d ** -0.5)
+        weights = F.softmax(logits, axis=2)  # (n * heads, query, key)
         h = F.matmul(v, weights, transpose_b=True).reshape(n, c, height, width)  # sum over keys
         return x + self.proj_out(h)
 

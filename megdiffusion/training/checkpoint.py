@@ -6,7 +6,8 @@ back into a run by ``restore``:
 - ``step``: optimizer steps taken; ``config``: the run's ``TrainConfig.to_dict()``;
 - ``model``, ``ema``: the network's and its moving average's state dicts; ``optimizer``: Adam's;
 - ``loader``: the data position (``BatchLoader.state_dict()``);
-- ``rng``: how step randomness is derived (a record only: it is a function of seed, rank and step).
+- ``rng``: ``{"seed", "scheme"}``, the scheme step randomness is drawn with (``draws``; a resumed run keeps it);
+- ``loss_scale``: the ``LossScaler``'s state of an ``--amp`` run, else None (absent before mixed precision).
 
 A network trained elsewhere (``weights_snapshot``, written by ``scripts.convert``) has the same layout with the
 weights as both ``model`` and ``ema``, step 0, ``optimizer`` and ``loader`` None, and ``source`` (a dict of
@@ -44,7 +45,6 @@ RECIPE_FIELDS = NETWORK_FIELDS + ("num_timesteps", "beta_schedule", "mean_type",
 # and what it predicts.
 GUIDE_FIELDS = ("image_size", "image_channels", "rescale_timesteps", "num_timesteps", "beta_schedule", "mean_type",
                 "var_type", "num_classes")
-RNG_SCHEME = "numpy default_rng([seed, rank, step])"  # trainer.step_rng
 _NAME = re.compile(r"^ckpt_(\d+)\.pkl$")
 
 
@@ -177,7 +177,8 @@ def snapshot(trainer, loader):
     """The checkpoint dict of a run: ``trainer`` (a ``Trainer``) and its ``BatchLoader``."""
     return {"step": trainer.step_count, "config": trainer.cfg.to_dict(), "model": trainer.model.state_dict(),
             "ema": trainer.ema.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-            "loader": loader.state_dict(), "rng": {"seed": trainer.cfg.seed, "scheme": RNG_SCHEME}}
+            "loader": loader.state_dict(), "rng": {"seed": trainer.cfg.seed, "scheme": trainer.draw_scheme},
+            "loss_scale": None if trainer.scaler is None else trainer.scaler.state_dict()}
 
 
 def weights_snapshot(cfg, weights, source):
@@ -222,6 +223,16 @@ def check_recipe(state, path, cfg):
                               "--logdir")
 
 
+def draw_scheme_of(state):
+    """The scheme a checkpoint's run draws its steps' randomness with (``draws``); ValueError for an unknown one."""
+    from megdiffusion.training.draws import SCHEMES
+
+    scheme = state.get("rng", {}).get("scheme")
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown random-draw scheme {scheme!r}")
+    return scheme
+
+
 def restore(state, path, trainer, loader):
     """Load checkpoint dict ``state`` (read from ``path``) into ``trainer`` and ``loader`` (``check_recipe`` first)."""
     check_recipe(state, path, trainer.cfg)
@@ -231,6 +242,9 @@ def restore(state, path, trainer, loader):
         trainer.optimizer.load_state_dict(state["optimizer"])
         trainer.step_count = int(state["step"])
         loader.load_state_dict(state["loader"])
-    except (AssertionError, IndexError, KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{path}: its optimizer, step or data position is damaged "
+        trainer.draw_scheme = draw_scheme_of(state)
+        if trainer.scaler is not None and state.get("loss_scale") is not None:
+            trainer.scaler.load_state_dict(state["loss_scale"])  # else a new scale: --amp is turned on here
+    except (AssertionError, AttributeError, IndexError, KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{path}: its optimizer, step, data position or random-draw scheme is damaged "
                               f"({type(err).__name__}: {err})") from None

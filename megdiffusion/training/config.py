@@ -113,6 +113,15 @@ class TrainConfig:
     ema_warmup: bool = _flag(False, "Warm the EMA up: update n (from 0) decays by min(--ema_decay, "
                              "(1 + n) / (10 + n)), so the early average is not mostly the random initial weights.")
     seed: int = _flag(0, "Seed of every random choice (data order, flips, timesteps, noise, dropout).", min=0)
+    # The step (how the update is computed: not part of the recipe)
+    microbatch: int = _flag(0, "Cut each device's batch into micro-batches of this many samples and sum their "
+                            "gradients: one update per step, equal to the whole batch's up to float32 rounding, in "
+                            "less memory (improved-diffusion's --microbatch). 0: the whole batch at once.", min=0)
+    amp: bool = _flag(False, "Mixed precision on MegEngine's kernels (GPUs): the forward and the loss under "
+                      "megengine.amp.autocast (float16 convolutions and matmuls), float32 weights, Adam and EMA, "
+                      "dynamic loss scaling that skips an update whose gradients overflow.")
+    trace: bool = _flag(False, "Run each micro-batch's forward and backward as one megengine.jit.trace(symbolic=True) "
+                        "graph on MegEngine's kernels (GPUs); needs --dropout 0.")
     # Outputs
     logdir: str = _flag("runs/train", "Directory for checkpoints, metrics, sample grids and flags.")
     log_every: int = _flag(10, "Write metrics every this many steps.", min=1)
@@ -263,6 +272,13 @@ def validate(cfg):
         diffusion = build_diffusion(cfg)
     except ValueError as err:
         raise ConfigError(f"bad diffusion flags: {err}") from None
+    local_batch = cfg.batch_size // cfg.total_world_size
+    if cfg.microbatch and local_batch % cfg.microbatch:
+        raise ConfigError(f"--microbatch {cfg.microbatch} does not divide the per-device batch of {local_batch} "
+                          f"(--batch_size {cfg.batch_size} over {cfg.total_world_size} processes); choose a divisor")
+    if cfg.trace and cfg.dropout:
+        raise ConfigError(f"--trace needs --dropout 0 (got {cfg.dropout:g}): a traced graph keeps the dropout seed it "
+                          "was traced with, so its masks could not follow each step's seed (exact resume)")
     if cfg.class_dropout and not cfg.num_classes:
         raise ConfigError("--class_dropout drops class labels: it needs a class-conditional run (--num_classes)")
     if cfg.input_perturbation and cfg.mean_type == "xprev":

@@ -1,11 +1,9 @@
 """Training: the state and one step (``Trainer``), and the loop around it (``TrainingRun``, ``train``).
 
-Randomness without saved generator state: step ``k`` of rank ``r`` draws its timesteps and noise from
-``np.random.default_rng([seed, r, k])`` and seeds MegEngine's global RNG (dropout) from the same
-stream; the data order is a function of (seed, epoch). A checkpoint therefore only needs the step
-count and the loader position to continue bit for bit.
+Randomness without saved generator state: a step's timesteps, noise and dropout seed are functions of (seed, step,
+the samples' place in the global batch) (``draws``), the data order a function of (seed, epoch). A checkpoint
+therefore only needs the step count, the loader position and the name of the draw scheme to continue bit for bit.
 """
-import functools
 import os
 import signal
 import time
@@ -20,22 +18,18 @@ from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import output_directory
 from megdiffusion.images import save_png
 from megdiffusion.nn.conv import fast_conv_enabled
-from megdiffusion.nn.options import NO_CLASS
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
-from megdiffusion.training.config import TrainConfig, build_diffusion, build_model
+from megdiffusion.training.config import ConfigError, TrainConfig, build_diffusion, build_model
+from megdiffusion.training.draws import PER_SAMPLE, draw_step, first_sample
 from megdiffusion.training.flat_update import FlatUpdate
 from megdiffusion.training.outputs import RUN_MARKER, RunLogger, grid_path, sample_grid, write_run_files
+from megdiffusion.training.step_parts import EngineSource, EngineUpdate, LossScaler, NonFiniteLossError, \
+    native_gradients, pieces
 
 mge = quiet_megengine()
 from megengine.autodiff import GradManager  # noqa: E402
-from megengine.optimizer import Adam, clip_grad_norm  # noqa: E402
-
-
-class NonFiniteLossError(MegdiffusionError):
-    """The loss or gradient norm became NaN/inf; the model was not updated."""
-
-    exit_code = 1  # the input was fine; the run diverged
+from megengine.optimizer import Adam  # noqa: E402
 
 
 def warmup_lr(cfg, step):
@@ -53,28 +47,39 @@ def ema_decay_at(cfg, updates):
     return cfg.ema_decay
 
 
-def step_rng(seed, rank, step):
-    """The numpy generator of one rank's step: timesteps, noise and the dropout seed come from it."""
-    return np.random.default_rng([seed, rank, step])
+def check_step_options(cfg):
+    """``ConfigError`` (one line) for ``--amp`` or ``--trace`` where the step would not run on MegEngine's kernels:
+    the fast CPU path computes convolutions outside MegEngine, in float32, eagerly."""
+    wanted = [flag for flag, on in (("--amp", cfg.amp), ("--trace", cfg.trace)) if on]
+    if wanted and fast_conv_enabled():
+        raise ConfigError(f"{' and '.join(wanted)} run{'s' if len(wanted) == 1 else ''} on MegEngine's own kernels, "
+                          "which this machine's fast CPU path replaces; train on a GPU, or set "
+                          "MEGDIFFUSION_FAST_CONV=0 to use MegEngine's (slow) CPU kernels")
 
 
 class Trainer:
     """Model, EMA copy, diffusion, Adam and the step count; ``step(x0)`` does one optimizer update.
 
-    On the fast CPU path (``megdiffusion.nn.conv.fast_conv_enabled()``) the loss and gradients are computed in
-    numpy and oneDNN (``native_step``, a ``native.NativeStep``; None where it does not implement the setup, e.g.
-    a learned variance: MegEngine's autodiff then computes them; dropout masks then come from numpy's generator,
-    seeded per step like MegEngine's), and clipping, Adam and the EMA run in
-    numpy on flat buffers (``flat_update.FlatUpdate``) that hold the weights, the EMA weights and Adam's state between
-    steps. Reading ``model``, ``ema`` or ``optimizer`` writes that state back into these MegEngine objects
-    first, which then hold it (they may be read or changed, e.g. by ``checkpoint.restore``) until the next
-    fast step takes it from them again: read them afresh after each step rather than keep a reference.
+    A step is a source of the loss and gradients, then one update (``step_parts``):
+
+    - the fast CPU path (``megdiffusion.nn.conv.fast_conv_enabled()``): the numpy pass (``native_step``, through
+      ``step_parts.native_gradients``; where ``native.unsupported`` names no reason, e.g. not for a learned variance)
+      or else MegEngine's autodiff with the fast convolutions (``EngineSource``), then clipping, Adam and the EMA in
+      numpy on flat buffers (``flat_update.FlatUpdate``) that hold the weights, the EMA weights and Adam's state
+      between steps. Reading ``model``, ``ema`` or ``optimizer`` writes that state back into these MegEngine
+      objects first, which then hold it (they may be read or changed, e.g. by ``checkpoint.restore``) until the
+      next fast step takes it from them again: read them afresh after each step rather than keep a reference;
+    - MegEngine's kernels (GPUs, or ``MEGDIFFUSION_FAST_CONV=0``): ``EngineSource`` (eager or traced, float32 or
+      mixed precision) then ``EngineUpdate`` on the device, with ``scaler`` (a ``LossScaler``) under ``--amp``.
     """
 
     def __init__(self, config: TrainConfig, world_size=1, rank=0):
+        check_step_options(config)
         self.cfg = config
         self.world_size = world_size
         self.rank = rank
+        self.first_index = first_sample(config.batch_size, world_size, rank)
+        self.draw_scheme = PER_SAMPLE  # a resumed run takes its checkpoint's (``checkpoint.restore``)
         mge.random.seed(config.seed)  # identical initial weights for a given seed
         self._model = build_model(config)
         if world_size > 1:
@@ -88,6 +93,10 @@ class Trainer:
             self.params, callbacks=distributed.allreduce_mean_callbacks(world_size))
         self._optimizer = Adam(self.params, lr=config.lr)
         self._flat = None  # the FlatUpdate holding the EMA and Adam's state, between fast steps
+        self.scaler = LossScaler() if config.amp else None
+        self.engine_source = EngineSource(self._model, self.diffusion, self.params, self.grad_manager,
+                                          amp=config.amp, traced=config.trace)
+        self.engine_update = EngineUpdate(self.params, list(self._ema.parameters()), self._optimizer)
         # The whole step in numpy on the fast path (``megdiffusion.native``), where it implements the setup.
         supported = native.unsupported(self._model, self.diffusion, world_size) is None
         self.native_step = native.NativeStep(self._model, self.diffusion, self.params) if supported else None
@@ -123,72 +132,62 @@ class Trainer:
             self._flat.release()
             self._flat = None
 
+    def draws(self, shape, labels=None, step=None):
+        """The ``StepDraws`` of this rank's batch of ``shape`` at ``step`` (default: the next step)."""
+        return draw_step(self.draw_scheme, self.cfg, self.diffusion.num_timesteps,
+                         self.step_count if step is None else step, shape, labels, self.rank, self.first_index)
+
     def step(self, x0, labels=None):
         """One update on this rank's batch ``x0`` (float32 NCHW in [-1, 1]), with its class ``labels`` (int, (N,))
         for a class-conditional network (with ``class_dropout``, each is replaced by ``NO_CLASS`` with that
-        probability, drawn after the step's other draws): {"loss", "grad_norm", "lr"}.
+        probability): {"loss", "grad_norm", "lr"}, with ``--amp`` also "loss_scale" (the scale this step used),
+        "update_skipped" (its gradients overflowed: no update) and "skipped_updates" (over the run).
 
-        The loss is the batch mean of ``training_losses``' ``loss``; gradients are averaged over ranks, clipped to
-        ``grad_clip`` (the returned norm is the one before clipping), then Adam and the EMA update.
+        The loss is the batch mean of ``training_losses``' ``loss``, computed in ``--microbatch`` pieces; gradients
+        are averaged over ranks, clipped to ``grad_clip`` (the returned norm is the one before clipping), then Adam
+        and the EMA update. Dropout's masks come from the step's ``dropout_seed``: on MegEngine's path they are drawn
+        in turn by the micro-batches (they depend on the cut), on the numpy pass per group of 8 samples of the batch
+        (the same for any cut into multiples of 8).
         """
         cfg = self.cfg
-        rng = step_rng(cfg.seed, self.rank, self.step_count)
-        t = rng.integers(0, self.diffusion.num_timesteps, size=len(x0)).astype(np.int32)
-        noise = rng.standard_normal(x0.shape, dtype=np.float32)
-        dropout_seed = int(rng.integers(2 ** 31))
-        perturbation = (np.float32(cfg.input_perturbation) * rng.standard_normal(x0.shape, dtype=np.float32)
-                        if cfg.input_perturbation else None)
-        if cfg.class_dropout and labels is not None:
-            labels = np.where(rng.random(len(x0)) < cfg.class_dropout, NO_CLASS, labels).astype(labels.dtype)
-        mge.random.seed(dropout_seed)
+        draws = self.draws(x0.shape, labels)
+        mge.random.seed(draws.dropout_seed)
         lr = warmup_lr(cfg, self.step_count)
         for group in self._optimizer.param_groups:
             group["lr"] = lr
         self._model.train()
         # With clipping off, an infinite bound leaves the gradients untouched (scale min(inf, 1) = 1).
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        on_native = self.native_step is not None and fast_conv_enabled() and native.enabled()
-        if on_native:
+        ema_decay = ema_decay_at(cfg, self.step_count)
+        rows = pieces(len(x0), cfg.microbatch)
+        metrics = {"lr": lr}
+        if fast_conv_enabled():
             flat_update = self._flat_update()
-            loss, flat_update.grad = self.native_step.loss_and_gradients(flat_update.param, x0, t, noise,
-                                                                         dropout_seed, perturbation, labels)
-        else:
-            network = self._model if labels is None else functools.partial(self._model, y=mge.tensor(labels))
-            with self.grad_manager:
-                loss = self.diffusion.training_losses(
-                    network, mge.tensor(x0), mge.tensor(t), mge.tensor(noise),
-                    None if perturbation is None else mge.tensor(perturbation))["loss"].mean()
-                self.grad_manager.backward(loss)
-            loss = loss.item()
-        flat = on_native or (fast_conv_enabled() and all(p.grad is not None for p in self.params))
-        if flat:
-            if not on_native:
-                self._flat_update().gather_gradients()
-            grad_norm = self._flat.gradient_norm()
+            if self.native_step is not None and native.enabled():
+                loss, flat_update.grad = native_gradients(self.native_step, flat_update.param, x0, draws, rows)
+            else:
+                loss = self.engine_source(x0, draws, rows).item()
+                flat_update.gather_gradients()
+            grad_norm = float(flat_update.gradient_norm())
+            if not (np.isfinite(loss) and np.isfinite(grad_norm)):
+                self._optimizer.clear_grad()
+                raise NonFiniteLossError(f"non-finite loss {loss} (gradient norm {grad_norm}) at step "
+                                         f"{self.step_count}; the model was not updated. Try a lower --lr or "
+                                         "--grad_clip, and resume from the last checkpoint")
+            flat_update.step(grad_norm, lr, max_norm, ema_decay)
+            self._optimizer.clear_grad()
         else:
             self._release()
-            grad_norm = clip_grad_norm(self.params, max_norm)
-        grad_norm = float(grad_norm)
-        if not (np.isfinite(loss) and np.isfinite(grad_norm)):
-            self._optimizer.clear_grad()
-            raise NonFiniteLossError(f"non-finite loss {loss} (gradient norm {grad_norm}) at step "
-                                     f"{self.step_count}; the model was not updated. Try a lower --lr or "
-                                     "--grad_clip, and resume from the last checkpoint")
-        ema_decay = ema_decay_at(cfg, self.step_count)
-        if flat:
-            self._flat.step(grad_norm, lr, max_norm, ema_decay)
-        else:
-            self._optimizer.step()
-            self._update_ema(ema_decay)
-        self._optimizer.clear_grad()
+            if self.scaler is not None:
+                metrics["loss_scale"] = self.scaler.scale
+            loss = self.engine_source(x0, draws, rows, self.scaler.scale if self.scaler else 1.0)
+            loss, grad_norm, applied = self.engine_update(loss, self.step_count, max_norm, ema_decay, self.scaler)
+            if self.scaler is not None:
+                metrics.update(update_skipped=not applied, skipped_updates=self.scaler.skipped)
         for ema_buffer, buffer in zip(self._ema.buffers(), self._model.buffers()):
             assign_(ema_buffer, buffer)
         self.step_count += 1
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr}
-
-    def _update_ema(self, decay):
-        for ema_param, param in zip(self._ema.parameters(), self._model.parameters()):
-            assign_(ema_param, ema_param * decay + param * (1.0 - decay))
+        return {"loss": loss, "grad_norm": grad_norm, **metrics}
 
 
 def check_logdir(cfg):
@@ -317,6 +316,10 @@ class TrainingRun:
         cfg, step = self.cfg, self.trainer.step_count
         if self.writes:
             self.logger.advance(metrics["loss"], metrics["images_per_s"])
+            if metrics.get("update_skipped"):
+                self.logger.message(f"step {step}: float16 gradients overflowed at loss scale "
+                                    f"{metrics['loss_scale']:g}; update skipped, scale halved "
+                                    f"({metrics['skipped_updates']} skipped in this run)")
             if step % cfg.log_every == 0 or step == cfg.total_steps:
                 self.logger.write_metrics(step, metrics)
             if cfg.sample_every and (step % cfg.sample_every == 0 or step == cfg.total_steps):
@@ -332,7 +335,6 @@ class TrainingRun:
         grid = sample_grid(self.trainer.ema, self.trainer.diffusion, self.cfg)
         save_png(grid_path(self.cfg.logdir, step), grid)
         self.logger.add_grid(step, grid)
-
 
     def evaluate_fid(self):
         """FID of ``fid_num_images`` EMA samples against the training images' statistics (cached in the
@@ -366,6 +368,7 @@ def train(cfg, images, progress=True, use_launcher=None):
     ``distributed.launch``. Returns the step reached (a list, one per local rank, when launched).
     """
     distributed.check_launch(cfg.num_gpus, cfg.device, cfg.world_size, cfg.rank_start, cfg.port)
+    check_step_options(cfg)
     with output_directory(cfg.logdir, "--logdir", RUN_MARKER):
         latest = check_logdir(cfg)
         write_run_files(cfg)
