@@ -1,6 +1,10 @@
 """The GPU step's options, proven on CPU: mixed precision (``--amp``), micro-batches (``--microbatch``), the same
 update on 1 or N ranks (simulated in one process), and a traced step (``--trace``)."""
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -302,3 +306,34 @@ def test_step_options_refused_where_they_cannot_work(tiny_config, monkeypatch):
     monkeypatch.setattr(trainer_module, "fast_conv_enabled", lambda: True)
     with pytest.raises(ConfigError, match="^--amp and --trace run on MegEngine's own kernels, which this machine's"):
         Trainer(tiny_config(amp=True, trace=True))
+
+
+def test_the_gpu_benchmark_runs_every_row_and_its_losses_agree():
+    """``benchmarks/gpu_step.py`` (what ``scripts/gpu_check.sh`` runs on a GPU) on the tiny network on CPU: a line
+    per row, the same losses for the rows that must agree to rounding, mixed precision within 10%."""
+    script = Path(__file__).parent.parent / "benchmarks" / "gpu_step.py"
+    done = subprocess.run([sys.executable, str(script), "--tiny", "--device", "cpu", "--steps", "2", "--warmup", "1",
+                           "--rows", "fp32,amp,trace,microbatch4,gpus1,gpus2"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = {row["row"]: row for row in map(json.loads, done.stdout.splitlines())}
+    assert list(rows) == ["fp32", "amp", "trace", "microbatch4", "gpus1", "gpus2"]
+    assert rows["gpus2"]["skipped"] == "needs 2 GPUs"
+    for name in ("trace", "microbatch4", "gpus1"):
+        assert rows[name]["loss_vs_fp32"] == pytest.approx(1, abs=1e-5), name
+    assert rows["amp"]["loss_vs_fp32"] == pytest.approx(1, abs=0.1) and rows["amp"]["loss_scale"] > 0
+    assert all(rows[name]["images_per_s"] > 0 and rows[name]["peak_rss_mb"] > 0 for name in ("fp32", "amp"))
+
+
+@pytest.mark.parametrize("flags", [["--amp"], ["--trace"], ["--amp", "--trace"]])
+def test_the_train_command_refuses_amp_and_trace_on_the_fast_cpu_path(tmp_path, tiny_model_flags, flags):
+    np.savez(tmp_path / "data.npz", np.zeros((16, 8, 8, 1), np.uint8))
+    env = {**os.environ, "MEGDIFFUSION_FAST_CONV": "1"}
+    done = subprocess.run([sys.executable, "-m", "megdiffusion.scripts.train", "--dataset=npz",
+                           f"--data_path={tmp_path / 'data.npz'}", *tiny_model_flags, "--batch_size=8",
+                           "--total_steps=1", f"--logdir={tmp_path / 'run'}", *flags], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"error: {' and '.join(flags)} run") and "MEGDIFFUSION_FAST_CONV=0" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.npz"]
