@@ -18,11 +18,12 @@ process of its own, so its peak memory is its own: MegEngine's allocator statist
 processes, ``peak_worker_rss_mb``, the largest of them).
 
     python benchmarks/gpu_step.py                     # on a GPU: fp32, trace, amp, amp+trace, microbatch32
-    python benchmarks/gpu_step.py --rows fp32,microbatch32,microbatch8 --steps 1 --warmup 0   # memory, on CPU
+    python benchmarks/gpu_step.py --rows fp32,microbatch32,microbatch8 --steps 1 --warmup 0 [--source engine]
     python benchmarks/gpu_step.py --tiny --rows fp32,amp,trace,microbatch4,gpus1   # a seconds-long check (CPU)
 
 On a CPU, rows that need MegEngine's kernels (amp, trace) run with ``MEGDIFFUSION_FAST_CONV=0`` (slow); the others
-take the fast CPU path like the training command.
+take the fast CPU path like the training command (the numpy pass; ``--source engine``: MegEngine's autodiff, which
+holds the activations as it does on a GPU, with the fast convolutions).
 """
 import argparse
 import json
@@ -91,6 +92,8 @@ def run_row(args, name):
     cfg = cfg.replace(**options)
     select_device(cfg)
     trainer = Trainer(cfg)
+    if args.source == "engine":
+        trainer.native_step = None  # MegEngine's autodiff (with the fast convolutions on a CPU), as on a GPU
     loader = BatchLoader(images, cfg.batch_size, cfg.seed, random_flip=False)
     losses, seconds = [], []
     for step in range(args.warmup + args.steps):
@@ -142,6 +145,8 @@ def main():
     parser.add_argument("--images", type=int, default=4096, help="how many embedded images to train on")
     parser.add_argument("--data_path", default=None, help="CIFAR-10 python batches instead of Fashion-MNIST")
     parser.add_argument("--device", choices=("auto", "cpu"), default="auto")
+    parser.add_argument("--source", choices=("auto", "engine"), default="auto",
+                        help="engine: MegEngine's autodiff even where the numpy pass would compute the gradients")
     parser.add_argument("--tiny", action="store_true", help="a 0.1M-parameter network on 8x8 images: checks the "
                         "script in seconds")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one row in this process
@@ -153,7 +158,7 @@ def main():
         run = run_training if args.one.startswith("gpus") else run_row
         print(json.dumps(run(args, args.one)), flush=True)
         return
-    common = {"model": "tiny" if args.tiny else "cifar10-paper", "gpu": cuda_available(),
+    common = {"model": "tiny" if args.tiny else "cifar10-paper", "source": args.source, "gpu": cuda_available(),
               "machine": os.uname().nodename, "cpus": os.cpu_count()}
     reference = {}
     for name in names:
