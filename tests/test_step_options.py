@@ -14,6 +14,7 @@ from megdiffusion.compat import quiet_megengine
 from megdiffusion.nn import onednn
 from megdiffusion.nn.conv import fast_conv_enabled, set_fast_conv
 from megdiffusion.nn.layers import AttnBlock
+from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import trainer as trainer_module
 from megdiffusion.training.config import ConfigError, validate
 from megdiffusion.training.draws import PER_RANK, PER_SAMPLE, draw_step, first_sample
@@ -195,6 +196,18 @@ def test_per_sample_draws_do_not_depend_on_how_the_batch_is_split(tiny_config):
     assert not np.array_equal(old.noise, whole.noise)
     with pytest.raises(ValueError, match="unknown random-draw scheme"):
         draw_step("mine", cfg, 40, 7, (16, 1, 8, 8))
+
+
+def test_a_checkpoint_names_its_draw_scheme_and_an_unknown_one_is_refused(tiny_config, tiny_images, tmp_path):
+    cfg = tiny_config(logdir=str(tmp_path), total_steps=1)
+    run = TrainingRun(cfg, tiny_images(32), progress=False)
+    run.run()
+    path = ckpt.checkpoint_path(str(tmp_path), 1)
+    state = ckpt.load_checkpoint(path)
+    assert state["rng"] == {"seed": 0, "scheme": PER_SAMPLE} and state["loss_scale"] is None
+    ckpt.save_checkpoint(path, {**state, "rng": {"seed": 0, "scheme": "dice"}})
+    with pytest.raises(ckpt.CheckpointError, match="random-draw scheme is damaged .*unknown random-draw scheme 'dice'"):
+        TrainingRun(cfg.replace(resume=True), tiny_images(32), progress=False).resume()
 
 
 def simulated_ranks_step(trainers, x0):

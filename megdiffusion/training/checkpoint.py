@@ -30,6 +30,7 @@ import numpy as np
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import atomic_write
 from megdiffusion.torch_archive import WeightsError, load_array_pickle
+from megdiffusion.training.draws import SCHEMES
 
 CHECKPOINT_DIR = "checkpoints"
 REQUIRED_KEYS = ("step", "config", "model", "ema", "optimizer", "loader")
@@ -225,8 +226,6 @@ def check_recipe(state, path, cfg):
 
 def draw_scheme_of(state):
     """The scheme a checkpoint's run draws its steps' randomness with (``draws``); ValueError for an unknown one."""
-    from megdiffusion.training.draws import SCHEMES
-
     scheme = state.get("rng", {}).get("scheme")
     if scheme not in SCHEMES:
         raise ValueError(f"unknown random-draw scheme {scheme!r}")
