@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megdiffusion import native
+from megdiffusion import native, sampling
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.nn import onednn
 from megdiffusion.nn.conv import fast_conv_enabled, set_fast_conv
@@ -158,6 +158,11 @@ def test_amp_resumes_bit_for_bit_across_a_skip(tiny_config, tiny_images, engine_
     advance(resumed, 2)
     assert_states_close(full_state(resumed.trainer), full_state(whole.trainer), rtol=0, atol=0)
     assert resumed.trainer.scaler.state_dict() == whole.trainer.scaler.state_dict()
+    # The checkpoint samples like any other: a float32 network with the EMA weights.
+    model, _, loaded_cfg, step = sampling.load_model(str(tmp_path))
+    assert loaded_cfg.amp and step == 3
+    x, t = mge.tensor(toy_batch(2)), mge.tensor(np.array([5, 30], np.int32))
+    np.testing.assert_array_equal(model(x, t).numpy(), first.trainer.ema(x, t).numpy())
 
 
 def test_loss_scaler_grows_after_clean_steps_and_backs_off():
