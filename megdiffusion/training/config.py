@@ -118,7 +118,7 @@ class TrainConfig:
                             "gradients: one update per step, equal to the whole batch's up to float32 rounding, in "
                             "less memory (improved-diffusion's --microbatch). 0: the whole batch at once.", min=0)
     amp: bool = _flag(False, "Mixed precision on MegEngine's kernels (GPUs): the forward and the loss under "
-                      "megengine.amp.autocast (float16 convolutions and matmuls), float32 weights, Adam and EMA, "
+                      "megengine.amp.autocast (float16 convolutions and linear layers), float32 weights, Adam and EMA, "
                       "dynamic loss scaling that skips an update whose gradients overflow.")
     trace: bool = _flag(False, "Run each micro-batch's forward and backward as one megengine.jit.trace(symbolic=True) "
                         "graph on MegEngine's kernels (GPUs); needs --dropout 0.")
