@@ -70,6 +70,8 @@ def test_amp_runs_convolutions_in_float16_and_keeps_norms_loss_and_gradients_in_
             module.register_forward_hook(
                 lambda m, inputs, out: dtypes.setdefault(type(m).__name__, set()).add(str(out.dtype)))
     metrics = trainer.step(toy_batch())
+    full = Trainer(tiny_config(channel_mult=(1, 2), attention_resolutions=(4,))).step(toy_batch())
+    assert metrics["grad_norm"] == pytest.approx(full["grad_norm"], rel=1e-2)  # unscaled before it is measured
     assert dtypes["Conv2d"] == {"float16"} and dtypes["Linear"] == {"float16"}
     assert dtypes["GroupNorm"] == {"float32"}
     assert metrics["loss_scale"] == LossScaler().scale and not metrics["update_skipped"]
