@@ -53,14 +53,17 @@ class EngineSource:
 
     ``amp``: the forward and the loss under ``megengine.amp.autocast`` (float16 convolutions and matmuls; MegEngine
     keeps GroupNorm in float32, the UNet its softmax and time embedding) and the backward of the loss times the
-    loss scale. ``traced``: each micro-batch's forward and backward runs as one ``jit.trace(symbolic=True)`` graph,
-    traced at its first call (every micro-batch has the same shapes); the gradients are summed outside it.
+    loss scale. ``traced``: each micro-batch's forward and backward runs as one ``jit.trace(symbolic=True)`` graph
+    (every micro-batch has the same shapes); the gradients are summed outside it. Tracing runs the first call
+    eagerly, whose rounding differs from the compiled graph's, so that call's result is dropped and the graph run
+    again: every step then comes from the compiled graph, and a resumed run continues bit for bit.
     """
 
     def __init__(self, model, diffusion, params, grad_manager, amp=False, traced=False):
         self.model, self.diffusion, self.params, self.grad_manager = model, diffusion, params, grad_manager
         self.amp = amp
         self._piece = trace(self._piece_gradients, symbolic=True) if traced else self._piece_gradients
+        self._untraced = traced  # the graph is traced by its first call
 
     def __call__(self, x0, draws, rows, loss_scale=1.0):
         """The batch's mean loss (a scalar tensor, on the device); its gradient times ``loss_scale`` is left in
@@ -68,19 +71,26 @@ class EngineSource:
         loss, total = None, None
         scale = mge.tensor(np.float32(loss_scale))
         for piece in rows:
-            for param in self.params:
-                param.grad = None  # a traced graph is the same on every call: it starts without gradients
             part = draws.piece(piece)
             args = [mge.tensor(x0[piece]), mge.tensor(part.t), mge.tensor(part.noise)]
             args += [None if part.perturbation is None else mge.tensor(part.perturbation),
-                     None if part.labels is None else mge.tensor(part.labels)]
-            piece_loss, grads = self._piece(*args, scale, batch_size=len(x0))
+                     None if part.labels is None else mge.tensor(part.labels), scale]
+            if self._untraced:
+                self._fresh_piece(args, len(x0))  # traces the graph; its eager result is dropped
+                self._untraced = False
+            piece_loss, grads = self._fresh_piece(args, len(x0))
             loss = piece_loss if loss is None else loss + piece_loss
             total = list(grads) if total is None else [g if a is None else a if g is None else a + g
                                                        for a, g in zip(total, grads)]
         for param, grad in zip(self.params, total):
             param.grad = grad
         return loss
+
+    def _fresh_piece(self, args, batch_size):
+        """``_piece`` from parameters without gradients (a traced graph is the same on every call)."""
+        for param in self.params:
+            param.grad = None
+        return self._piece(*args, batch_size=batch_size)
 
     def _piece_gradients(self, x0, t, noise, perturbation, labels, scale, *, batch_size):
         """One micro-batch: its summed loss over ``batch_size`` and that loss's gradients times ``scale``."""
