@@ -259,7 +259,7 @@ def validate(cfg):
     if cfg.total_world_size < cfg.num_gpus:
         raise ConfigError(f"--world_size {cfg.world_size} is smaller than --num_gpus {cfg.num_gpus}")
     try:
-        per_rank_batch(cfg.batch_size, cfg.total_world_size)
+        local_batch = per_rank_batch(cfg.batch_size, cfg.total_world_size)
     except LoaderError as err:
         raise ConfigError(f"--batch_size: {err}; the global batch is split evenly across ranks") from None
     try:
@@ -272,7 +272,6 @@ def validate(cfg):
         diffusion = build_diffusion(cfg)
     except ValueError as err:
         raise ConfigError(f"bad diffusion flags: {err}") from None
-    local_batch = cfg.batch_size // cfg.total_world_size
     if cfg.microbatch and local_batch % cfg.microbatch:
         raise ConfigError(f"--microbatch {cfg.microbatch} does not divide the per-device batch of {local_batch} "
                           f"(--batch_size {cfg.batch_size} over {cfg.total_world_size} processes); choose a divisor")

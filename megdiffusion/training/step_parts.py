@@ -26,6 +26,12 @@ class NonFiniteLossError(MegdiffusionError):
 
     exit_code = 1  # the input was fine; the run diverged
 
+    @classmethod
+    def at(cls, loss, grad_norm, step, advice="the model was not updated. Try a lower --lr or --grad_clip"):
+        """The error of step ``step`` (0-based) whose loss or gradient norm is not finite, with ``advice``."""
+        return cls(f"non-finite loss {loss} (gradient norm {grad_norm}) at step {step}; {advice}, and resume from "
+                   "the last checkpoint")
+
 
 def pieces(batch, microbatch):
     """The micro-batches of a batch of ``batch`` samples, as slices (``microbatch`` 0: the whole batch)."""
@@ -160,10 +166,10 @@ class EngineUpdate:
         finite = bool(np.isfinite(norm_value))
         if not np.isfinite(loss_value) or (not finite and scaler is None):
             self.optimizer.clear_grad()
-            hint = (" in float16 (--amp): its forward overflowed; try without --amp" if scaler is not None else
-                    "; the model was not updated. Try a lower --lr or --grad_clip")
-            raise NonFiniteLossError(f"non-finite loss {loss_value} (gradient norm {norm_value}) at step {step}{hint}"
-                                     ", and resume from the last checkpoint")
+            if scaler is None:
+                raise NonFiniteLossError.at(loss_value, norm_value, step)
+            raise NonFiniteLossError.at(loss_value, norm_value, step,
+                                        "its float16 forward (--amp) overflowed; try without --amp")
         if scaler is not None and not finite and scaler.scale * scaler.backoff_factor < LossScaler.MIN_SCALE:
             self.optimizer.clear_grad()
             raise NonFiniteLossError(f"gradients not finite at step {step} with the loss scale at {scaler.scale:g}: "

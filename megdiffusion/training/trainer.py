@@ -171,9 +171,7 @@ class Trainer:
             grad_norm = float(flat_update.gradient_norm())
             if not (np.isfinite(loss) and np.isfinite(grad_norm)):
                 self._optimizer.clear_grad()
-                raise NonFiniteLossError(f"non-finite loss {loss} (gradient norm {grad_norm}) at step "
-                                         f"{self.step_count}; the model was not updated. Try a lower --lr or "
-                                         "--grad_clip, and resume from the last checkpoint")
+                raise NonFiniteLossError.at(loss, grad_norm, self.step_count)
             flat_update.step(grad_norm, lr, max_norm, ema_decay)
             self._optimizer.clear_grad()
         else:
