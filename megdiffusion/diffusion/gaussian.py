@@ -11,13 +11,14 @@ The model is passed to each call, never stored.
 import math
 
 import numpy as np
+from tqdm import tqdm
 
 import megengine
 import megengine.functional as F
 from megengine import Tensor
 
-from megdiffusion.diffusion import samplers
-from megdiffusion.diffusion.choices import LEARNED_VAR_TYPES, LOSS_TYPES, MEAN_TYPES, SAMPLERS, VAR_TYPES
+from megdiffusion.diffusion import samplers, solvers
+from megdiffusion.diffusion.choices import ANCESTRAL, LEARNED_VAR_TYPES, LOSS_TYPES, MEAN_TYPES, SAMPLERS, VAR_TYPES
 from megdiffusion.diffusion.losses import discretized_gaussian_log_likelihood, mean_flat, normal_kl
 from megdiffusion.diffusion.spacing import sampling_timesteps
 
@@ -386,45 +387,109 @@ class GaussianDiffusion:
         return GaussianDiffusion(betas, self.mean_type, self.var_type, self.loss_type, self.rescale_timesteps,
                                  self.timestep_map[timesteps], self.original_num_steps, self.min_snr_gamma)
 
-    def respaced(self, steps=None, respacing=None):
-        """This chain respaced to the timesteps ``spacing.sampling_timesteps`` keeps (itself when all are kept)."""
-        timesteps = sampling_timesteps(self.num_timesteps, steps, respacing)
+    def respaced(self, steps=None, respacing=None, spacing=None):
+        """This chain respaced to the timesteps ``spacing.sampling_timesteps`` keeps, or with ``spacing``
+        "linspace" or "trailing" those of ``solvers.integer_timesteps`` (itself when all are kept)."""
+        if spacing in ("linspace", "trailing"):
+            steps = self.num_timesteps if steps is None else steps
+            timesteps = np.sort(solvers.integer_timesteps(self.num_timesteps, steps, spacing, drop_zero=False))
+        else:
+            timesteps = sampling_timesteps(self.num_timesteps, steps, respacing)
         return self if len(timesteps) == self.num_timesteps else self.respace(timesteps)
 
-    def check_sampling(self, sampler, steps=None, eta=0.0, respacing=None):
-        """Raise ValueError (one line) unless ``sample`` accepts this sampler, step count (or respacing) and eta."""
+    def check_sampling(self, sampler, steps=None, eta=0.0, respacing=None, spacing=None, order=None):
+        """Raise ValueError (one line) unless ``sample`` accepts these settings."""
         _check_choice("sampler", sampler, SAMPLERS)
         if not (math.isfinite(eta) and eta >= 0) or (eta and sampler != "ddim"):
             raise ValueError(f"eta must be a finite number >= 0 and is only used by the ddim sampler, got eta={eta}")
-        sampling_timesteps(self.num_timesteps, steps, respacing)
+        if sampler in ANCESTRAL:
+            if order is not None:
+                raise ValueError(f"--order is for the multistep solvers ({', '.join(solvers.MULTISTEP)}); "
+                                 f"{sampler} has none")
+            if spacing not in (None, "leading") + solvers.INTEGER_SPACINGS:
+                raise ValueError(f"{sampler} steps between timesteps: --spacing must be one of "
+                                 f"{', '.join(solvers.INTEGER_SPACINGS)}, got {spacing!r}")
+            if spacing and respacing:
+                raise ValueError(f"give --spacing or --respacing, not both (got {spacing!r} and {respacing!r})")
+            if spacing in ("linspace", "trailing") and steps is not None \
+                    and (int(steps) != steps or not 1 <= steps <= self.num_timesteps):
+                raise ValueError(f"steps must be an integer between 1 and T={self.num_timesteps}, got {steps}")
+            sampling_timesteps(self.num_timesteps, None if spacing else steps, respacing)
+            return
+        if respacing:
+            raise ValueError(f"--respacing is for ddpm and ddim; {sampler} takes --steps and --spacing")
+        if self.mean_type == "xprev":
+            raise ValueError(f"{sampler} needs the model's x_0 prediction, which a mean_type 'xprev' model does not "
+                             "give; sample it with ddpm or ddim")
+        solvers.check_solver(sampler, solvers.DEFAULT_STEPS if steps is None else steps,
+                             spacing or solvers.DEFAULT_SPACING, order)
 
     def sample(self, model, shape, sampler="ddpm", steps=None, eta=0.0, noise=None, clip_denoised=True,
-               progress=False, seeds=None, respacing=None):
+               progress=False, seeds=None, respacing=None, spacing=None, order=None):
         """Generate a float32 (N, ...) tensor of samples in [-1, 1].
 
         :param shape: (N, C, H, W) (or any (N, ...)) of the output.
         :param sampler: "ddpm" (ancestral) or "ddim" (Song et al., with ``eta``), both on the chain respaced to
-            the kept timesteps (``respaced``), learned variances included.
-        :param steps: number of sampling steps S (default T); timesteps range(0, T, T // S)[:S].
-        :param respacing: instead of ``steps``, improved-diffusion's spacing ("50", "10,15,20", "ddim50").
+            the kept timesteps (``respaced``), learned variances included; or an ODE / SDE solver of
+            ``solvers.SOLVERS`` (``solve``), which uses the model's x_0 prediction only.
+        :param steps: number of sampling steps S (default T; a solver's ``solvers.DEFAULT_STEPS``).
+        :param respacing: ddpm and ddim, instead of ``steps``: improved-diffusion's spacing ("50", "10,15,20",
+            "ddim50").
+        :param spacing: where the S steps lie (``solvers.SPACINGS``; ddpm and ddim: leading, the default, linspace
+            or trailing; a solver's default ``solvers.DEFAULT_SPACING``).
+        :param order: a multistep solver's order (``solvers.ORDERS``).
         :param noise: x_T; default standard normal from MegEngine's global RNG (or from ``seeds``).
         :param seeds: one int per image: image j's x_T and every per-step noise draw come only from
             ``np.random.default_rng(seeds[j])``, so an image does not depend on its batch.
+        :param clip_denoised: clip every x_0 prediction to [-1, 1].
         The model always receives the original timesteps, and is run in eval mode (dropout off).
         """
-        self.check_sampling(sampler, steps, eta, respacing)
-        chain = self.respaced(steps, respacing)
+        self.check_sampling(sampler, steps, eta, respacing, spacing, order)
         shape = tuple(int(s) for s in shape)
         draw_noise = noise_source(shape, noise, seeds)
         x = Tensor(noise, dtype="float32") if noise is not None else draw_noise()
         if tuple(x.shape) != shape:
             raise ValueError(f"noise has shape {tuple(x.shape)}, expected {shape}")
         with samplers.eval_mode(model):
-            if sampler == "ddpm":
-                x = samplers.ddpm_sample(chain, model, x, clip_denoised, draw_noise, progress)
+            if sampler in ANCESTRAL:
+                chain = self.respaced(steps, respacing, spacing)
+                if sampler == "ddpm":
+                    x = samplers.ddpm_sample(chain, model, x, clip_denoised, draw_noise, progress)
+                else:
+                    x = samplers.ddim_sample(chain, model, x, eta, clip_denoised, draw_noise, progress)
             else:
-                x = samplers.ddim_sample(chain, model, x, eta, clip_denoised, draw_noise, progress)
+                x = self.solve(model, x, sampler, solvers.DEFAULT_STEPS if steps is None else steps,
+                               spacing or solvers.DEFAULT_SPACING, order, clip_denoised, draw_noise, progress)
         return F.clip(x, -1.0, 1.0)
+
+    def solve(self, model, x, sampler, steps, spacing, order=None, clip_denoised=True, draw_noise=None,
+              progress=False, lambda_min_clipped=-np.inf, lower_order_final=True):
+        """Run solver ``sampler`` (``solvers.solve``) from x = x_T (this chain's last noise level on every grid
+        but ``leading``'s, whose first step starts lower, as DDIM's) on the ``solvers.make_grid`` grid; returns the
+        final x_0 estimate, unclipped. The model sees x_t = y sqrt(alpha_bar) with alpha_bar = 1 / (1 + sigma^2) of
+        the solver's sigma, and the (fractional) timestep there, interpolated between the model's timesteps.
+        ``lambda_min_clipped``, ``lower_order_final``: diffusers' options of the same names (``solvers``)."""
+        grid = solvers.make_grid(self.alphas_cumprod, steps, spacing, sampler, lambda_min_clipped)
+        model_times = np.interp(grid.timesteps, np.arange(self.num_timesteps),
+                                self.model_timesteps(np.arange(self.num_timesteps)).numpy().astype(np.float64))
+        bar = tqdm(total=solvers.calls_per_image(sampler, steps), disable=not progress, leave=False, unit="call")
+
+        def denoise(i, y):
+            abar = 1.0 / (1.0 + grid.sigmas[i] ** 2)
+            x_t = y * float(math.sqrt(abar))
+            output = model(x_t, Tensor(np.full(x_t.shape[0], model_times[i], np.float32)))
+            prediction, _ = self.split_output(output)
+            if self.mean_type == "eps":
+                x0 = (x_t - prediction * float(math.sqrt(1.0 - abar))) * float(1.0 / math.sqrt(abar))
+            elif self.mean_type == "v":
+                x0 = x_t * float(math.sqrt(abar)) - prediction * float(math.sqrt(1.0 - abar))
+            else:
+                x0 = prediction
+            return F.clip(x0, -1.0, 1.0) if clip_denoised else x0
+
+        with bar:
+            y = x * float(math.sqrt(1.0 + grid.sigmas[0] ** 2))
+            return solvers.solve(sampler, y, grid.sigmas, denoise, order, draw_noise, bar, lower_order_final)
 
 
 def noise_source(shape, noise=None, seeds=None):

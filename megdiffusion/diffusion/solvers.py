@@ -34,6 +34,8 @@ MULTISTEP = (DPMPP_2M, DPMPP_3M, DPMPP_2M_SDE, UNIPC)
 INTEGER_SPACINGS = ("leading", "linspace", "trailing")
 SPACINGS = INTEGER_SPACINGS + ("karras", "logsnr")
 KARRAS_RHO = 7.0
+DEFAULT_STEPS = 20
+DEFAULT_SPACING = "karras"
 
 
 def calls_per_image(sampler, steps):
@@ -161,12 +163,12 @@ def _euler_heun(heun, y, sigmas, call):
         x0 = call(i, y)
         if s_next == 0:
             return x0
-        slope = (y - x0) * (1.0 / s)
+        slope = (y - x0) * float(1.0 / s)
         euler = y + slope * float(s_next - s)
         if not heun:
             y = euler
             continue
-        slope_next = (euler - call(i + 1, euler)) * (1.0 / s_next)
+        slope_next = (euler - call(i + 1, euler)) * float(1.0 / s_next)
         y = y + (slope + slope_next) * float(0.5 * (s_next - s))
     return y
 

@@ -1,0 +1,159 @@
+"""The ODE / SDE solvers against diffusers 0.42 and the exact probability-flow ODE, on an analytic model.
+
+The reference set (``tests/fixtures/solvers``, or the directory in ``MEGDIFFUSION_SOLVER_REFERENCE``; its README has
+the conventions) drives diffusers' schedulers with the exact denoiser of a Gaussian mixture and records every
+model call. Every case and every exact run the files list is checked; a scheduler configuration this file cannot
+map to one of our samplers fails its case instead of being skipped.
+
+Where we differ from diffusers, on purpose:
+- Euler and Heun start from the VP state x_T = z, i.e. y = z sqrt(1 + sigma_max^2) (diffusers: sigma_max z, which is
+  not the marginal at sigma_max); the cases are replayed from diffusers' own x_T, and
+  ``test_euler_heun_start_convention`` shows the difference.
+- DPM-Solver++ and UniPC on Karras sigmas call the model at the solver's own sigma (diffusers rounds the timestep),
+  which also runs on the cosine schedule where diffusers fails (``test_karras_grids_where_diffusers_fails``).
+"""
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megengine import Tensor
+
+from megdiffusion.diffusion import GaussianDiffusion, samplers, solvers
+
+REFERENCE = Path(os.environ.get("MEGDIFFUSION_SOLVER_REFERENCE") or Path(__file__).parent / "fixtures" / "solvers")
+CASES = json.loads((REFERENCE / "cases.json").read_text())["cases"]
+EXACT = json.loads((REFERENCE / "exact.json").read_text())
+ARRAYS = dict(np.load(REFERENCE / "cases.npz"))
+EXACT_ARRAYS = dict(np.load(REFERENCE / "exact.npz"))
+MEAN_TYPES = {"epsilon": "eps", "v_prediction": "v", "sample": "xstart"}
+PREDICTION = {"eps": 0, "xstart": 1, "v": 2}  # index into gmm_predict's outputs
+
+
+def gmm_predict(x_in, abar, means, stds, weights):
+    """The exact (eps, x_0, v) predictions of the mixture sum_k w_k N(mu_k, s_k^2 I) at x_t = x_in (float64)."""
+    x = np.asarray(x_in, dtype=np.float64).reshape(x_in.shape[0], -1)
+    a, b = np.sqrt(abar), np.sqrt(1 - abar)
+    var = abar * stds ** 2 + (1 - abar)
+    diff = x[:, None, :] - a * means[None]
+    logits = np.log(weights) - 0.5 * x.shape[1] * np.log(var) - 0.5 * (diff ** 2).sum(-1) / var
+    post = np.exp(logits - logits.max(1, keepdims=True))
+    post /= post.sum(1, keepdims=True)
+    eps = b * np.einsum("bk,bkd->bd", post / var, diff)
+    x0 = post @ means + a * np.einsum("bk,bkd->bd", post * stds ** 2 / var, diff)
+    return [u.reshape(x_in.shape) for u in (eps, x0, a * eps - b * x0)]
+
+
+def solver_settings(scheduler, kwargs):
+    """(sampler, order, spacing, lower_order_final, lambda_min_clipped) of a diffusers scheduler configuration;
+    AssertionError for one we do not reproduce, so its case fails rather than passing unchecked."""
+    spacing = "karras" if kwargs.get("use_karras_sigmas") else kwargs.get("timestep_spacing", "linspace")
+    clipped = kwargs.get("lambda_min_clipped")
+    clipped = -np.inf if clipped is None else clipped
+    lower_order_final = kwargs.get("lower_order_final", True)
+    if scheduler == "DPMSolverMultistepScheduler":
+        assert kwargs.get("solver_type", "midpoint") == "midpoint" and kwargs.get("final_sigmas_type", "zero") == "zero"
+        algorithm, order = kwargs.get("algorithm_type", "dpmsolver++"), kwargs.get("solver_order", 2)
+        sampler = {("dpmsolver++", 2): "dpmpp_2m", ("dpmsolver++", 3): "dpmpp_3m",
+                   ("sde-dpmsolver++", 2): "dpmpp_2m_sde"}[(algorithm, order)]
+        return sampler, None, spacing, lower_order_final, clipped
+    if scheduler == "UniPCMultistepScheduler":
+        assert kwargs.get("solver_type", "bh2") == "bh2" and lower_order_final and not kwargs.get("disable_corrector")
+        return "unipc", kwargs.get("solver_order", 2), spacing, True, -np.inf
+    if scheduler in ("EulerDiscreteScheduler", "HeunDiscreteScheduler"):
+        return scheduler[:-len("DiscreteScheduler")].lower(), None, spacing, True, -np.inf
+    assert scheduler == "DDIMScheduler" and not kwargs.get("clip_sample", True) and kwargs.get("set_alpha_to_one")
+    assert kwargs.get("steps_offset", 0) == 0
+    return "ddim", None, spacing, True, -np.inf
+
+
+def diffusion_of(schedule, mean_type="eps"):
+    """Our chain whose alphas_cumprod are diffusers' float32 table of ``schedule`` (as float64)."""
+    abar = ARRAYS[f"schedule.{schedule}.alphas_cumprod"].astype(np.float64)
+    return GaussianDiffusion(1.0 - abar / np.append(1.0, abar[:-1]), mean_type=mean_type)
+
+
+def gmm(name):
+    return [ARRAYS[f"gmm.{name}.{part}"] for part in ("means", "stds", "weights")]
+
+
+def float64_run(sampler, order, spacing, schedule, gmm_name, steps, y, draw_noise=None, lower_order_final=True,
+                lambda_min_clipped=-np.inf):
+    """``solvers.solve`` in float64 numpy with the model evaluated at the solver's own sigma."""
+    abar = ARRAYS[f"schedule.{schedule}.alphas_cumprod"].astype(np.float64)
+    grid = solvers.make_grid(abar, steps, spacing, sampler, lambda_min_clipped)
+    mixture = gmm(gmm_name)
+
+    def denoise(i, state):
+        level = 1.0 / (1.0 + grid.sigmas[i] ** 2)
+        return gmm_predict(state * np.sqrt(level), level, *mixture)[1]
+
+    return solvers.solve(sampler, y, grid.sigmas, denoise, order, draw_noise, lower_order_final=lower_order_final), grid
+
+
+class RecordingModel:
+    """The mixture as a network: the k-th call checks its input and timestep against diffusers' k-th call and
+    answers (float32) at that call's alpha_bar, as the reference generator did."""
+
+    def __init__(self, name, mean_type):
+        self.prefix, self.case, self.calls = name + ".", CASES[name], 0
+        self.prediction = PREDICTION[mean_type]
+
+    def __call__(self, x_in, t):
+        k, p = self.calls, self.prefix
+        assert k < len(ARRAYS[p + "call_t"]), f"call {k}: diffusers made only {len(ARRAYS[p + 'call_t'])} calls"
+        x_in = x_in.numpy()
+        expected = ARRAYS[p + "model_in"][k]
+        tol = self.case["tol_model_in"] * max(1.0, np.abs(expected).max())
+        assert np.abs(x_in - expected).max() <= tol, f"call {k}: the model input differs"
+        np.testing.assert_allclose(t.numpy(), ARRAYS[p + "call_t"][k], atol=2e-4, err_msg=f"call {k}: timestep")
+        self.calls += 1
+        outputs = gmm_predict(x_in, ARRAYS[p + "call_abar"][k], *gmm(self.case["gmm"]))
+        return Tensor(outputs[self.prediction].astype(np.float32))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_diffusers(name):
+    """Our sampler, through ``GaussianDiffusion`` on MegEngine in float32, makes diffusers' model calls (inputs and
+    timesteps) and reaches its final sample within the case's tolerance; in float64 it reaches the generator's
+    float64 re-implementation to 1e-7."""
+    case, p = CASES[name], name + "."
+    sampler, order, spacing, lower_order_final, clipped = solver_settings(case["scheduler"], case["scheduler_config"])
+    mean_type = MEAN_TYPES[case["prediction_type"]]
+    diffusion = diffusion_of(case["schedule"], mean_type)
+    model = RecordingModel(name, mean_type)
+    steps = case["num_inference_steps"]
+    x_T = ARRAYS[p + "x_T"]
+    top = solvers.make_grid(diffusion.alphas_cumprod, steps, spacing, sampler, clipped).sigmas[0]
+    ve_scale = np.sqrt(1.0 + top ** 2)  # y = x_t sqrt(1 + sigma^2) at the first level
+    noise = list(ARRAYS.get(p + "noise", []))
+    draws = iter(noise)
+    if sampler == "ddim":
+        chain = diffusion.respaced(steps, spacing=spacing)
+        final = samplers.ddim_sample(chain, model, Tensor(x_T), 0.0, False, None, False).numpy()
+    else:
+        start = x_T.astype(np.float64)
+        if sampler in ("euler", "heun"):  # diffusers' state is already y = sigma_max z
+            start = start / ve_scale
+        final = diffusion.solve(model, Tensor(start.astype(np.float32)), sampler, steps, spacing, order,
+                                clip_denoised=False, draw_noise=lambda: Tensor(next(draws)),
+                                lambda_min_clipped=clipped, lower_order_final=lower_order_final).numpy()
+        assert solvers.calls_per_image(sampler, steps) == case["model_calls"]
+    assert model.calls == case["model_calls"]
+    reference = ARRAYS[p + "final"]
+    assert np.abs(final - reference).max() <= case["tol"] * max(1.0, np.abs(reference).max())
+    if case["stochastic"]:
+        assert sum(1 for _ in draws) == 1, "noise is drawn at every step but the last"
+    if sampler == "ddim":
+        return
+    draws = iter(noise)
+    y = x_T.astype(np.float64)
+    if sampler not in ("euler", "heun"):
+        y = y * ve_scale
+    exact, _ = float64_run(sampler, order, spacing, case["schedule"], case["gmm"], steps, y,
+                           lambda: next(draws).astype(np.float64), lower_order_final, clipped)
+    reference = ARRAYS[p + "final_f64"]
+    assert np.abs(exact - reference).max() <= 1e-7 * max(1.0, np.abs(reference).max())
+
