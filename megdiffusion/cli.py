@@ -75,6 +75,20 @@ def reject_arguments(argv):
         fail(f"unexpected arguments {argv[1:]}; flags look like --name=value")
 
 
+def define_solver_flags():
+    """--spacing and --order (``diffusion.solvers``) for the scripts that sample."""
+    from absl import flags
+
+    from megdiffusion.diffusion.solvers import DEFAULT_SPACING, SPACINGS
+
+    flags.DEFINE_enum("spacing", None, SPACINGS, "Where the --steps noise levels lie: leading (range(0, T, T // "
+                      "steps), the ddpm and ddim default), linspace, trailing (diffusers' conventions), karras (Karras "
+                      f"et al. 2022, rho 7) or logsnr (uniform log-SNR); the solvers' default is {DEFAULT_SPACING}. "
+                      "ddpm and ddim take the first three.")
+    flags.DEFINE_integer("order", None, "unipc: the solver's order, 2 (default) or 3. The other solvers' names say "
+                         "theirs (dpmpp_2m, dpmpp_3m).")
+
+
 def define_guidance_flags():
     """--guide_ckpt, --guidance and --guide_unconditional (autoguidance and classifier-free guidance,
     ``generation.Autoguidance``) for the sampling and FID scripts."""

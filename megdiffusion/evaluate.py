@@ -24,7 +24,7 @@ def reference_statistics(images, cache_path=None, batch_size=50, progress=False)
 
 
 def model_fid(model, diffusion, image_shape, reference, num_images, seed=0, sampler="ddim", steps=50,
-              eta=0.0, batch_size=64, progress=False, respacing=None, guidance=None):
+              eta=0.0, batch_size=64, progress=False, respacing=None, guidance=None, spacing=None, order=None):
     """FID of ``num_images`` samples of ``model`` (with ``guidance``, a ``generation.Autoguidance``, or None)
     against ``reference`` = (mu, sigma); returns ``(fid, samples)`` with the samples as uint8 NHWC. Image i uses
     the seed of (seed, i)."""
@@ -34,7 +34,8 @@ def model_fid(model, diffusion, image_shape, reference, num_images, seed=0, samp
 
         bar = tqdm(total=num_images, unit="img", desc=f"sampling ({sampler})", dynamic_ncols=True)
     samples = generate_images(model, diffusion, image_shape, range(num_images), seed, sampler, steps, eta,
-                              batch_size, progress=bar, respacing=respacing, guidance=guidance)
+                              batch_size, progress=bar, respacing=respacing, guidance=guidance, spacing=spacing,
+                              order=order)
     if bar is not None:
         bar.close()
     mu, sigma = fid.statistics_of_images(samples, progress=progress)

@@ -73,16 +73,17 @@ def image_classes(num_classes, indices):
 
 
 def generate_images(model, diffusion, image_shape, indices, seed, sampler="ddpm", steps=None, eta=0.0,
-                    batch_size=64, progress=None, respacing=None, guidance=None, class_label=None):
+                    batch_size=64, progress=None, respacing=None, guidance=None, class_label=None, spacing=None,
+                    order=None):
     """Sample the images ``indices`` of a run (each from ``image_seed(seed, i)``) as uint8 NHWC.
 
     ``image_shape`` is (C, H, W); ``progress`` is an optional tqdm bar advanced per image; ``respacing`` (instead
-    of ``steps``): see ``GaussianDiffusion.sample``; ``guidance``: an ``Autoguidance``, or None. A class-conditional
-    model (``num_classes`` > 0) draws every image of ``class_label``, or image i of class ``image_classes`` when
-    that is None. Bad sampler settings raise ValueError (``GaussianDiffusion.check_sampling``), and so does a class
-    the model does not know, even for no indices.
+    of ``steps``), ``spacing``, ``order``: see ``GaussianDiffusion.sample``; ``guidance``: an ``Autoguidance``, or
+    None. A class-conditional model (``num_classes`` > 0) draws every image of ``class_label``, or image i of class
+    ``image_classes`` when that is None. Bad sampler settings raise ValueError (``GaussianDiffusion.check_sampling``),
+    and so does a class the model does not know, even for no indices.
     """
-    diffusion.check_sampling(sampler, steps, eta, respacing)
+    diffusion.check_sampling(sampler, steps, eta, respacing, spacing, order)
     num_classes = getattr(model, "num_classes", 0)
     check_class_label(class_label, num_classes)
     indices = list(indices)
@@ -99,7 +100,8 @@ def generate_images(model, diffusion, image_shape, indices, seed, sampler="ddpm"
                 labels = image_classes(num_classes, chunk) if class_label is None else np.full(len(chunk), class_label)
                 conditioned = functools.partial(network, y=mge.tensor(labels, dtype="int32"))
             x = diffusion.sample(conditioned, (len(chunk),) + tuple(image_shape), sampler=sampler, steps=steps, eta=eta,
-                                 seeds=[image_seed(seed, i) for i in chunk], respacing=respacing)
+                                 seeds=[image_seed(seed, i) for i in chunk], respacing=respacing, spacing=spacing,
+                                 order=order)
             out.append(to_uint8(x))
             if progress is not None:
                 progress.update(len(chunk))

@@ -48,6 +48,8 @@ class SampleJob:
     guidance: float = 1.0  # its weight w: bad + w (good - bad); 1 is no guidance
     guide_unconditional: bool = False  # the guide predicts without a class (classifier-free guidance)
     class_label: Optional[int] = None  # a class-conditional model: every image of this class (None: i mod classes)
+    spacing: Optional[str] = None  # where the steps lie (``diffusion.solvers.SPACINGS``; None: the sampler's default)
+    order: Optional[int] = None  # unipc's order (None: its default)
 
     def manifest(self, step, guide_step=None):
         """The settings that decide the images (``manifest.json``): a directory never mixes two of them."""
@@ -61,6 +63,8 @@ class SampleJob:
                 settings["guide_unconditional"] = True
         if self.class_label is not None:  # the same
             settings["class_label"] = self.class_label
+        settings.update({name: value for name, value in (("spacing", self.spacing), ("order", self.order))
+                         if value is not None})  # the same
         return settings
 
 
@@ -71,7 +75,7 @@ def run_job(job, num_gpus=1):
     distributed.check_launch(num_gpus)
     loaded = load_model(job.ckpt, job.ema)
     _, diffusion, cfg, step = loaded
-    check_sampler(diffusion, job.sampler, job.steps, job.eta, job.respacing)
+    check_sampler(diffusion, job.sampler, job.steps, job.eta, job.respacing, job.spacing, job.order)
     try:
         check_class_label(job.class_label, cfg.num_classes)
     except ValueError as err:
@@ -99,7 +103,7 @@ def sample_share(job, loaded=None, guidance=None):
     rank, world_size = distributed.rank_and_world()
     return sample_to_directory(model, diffusion, cfg.image_shape, job.output, job.num_images, job.seed, job.sampler,
                                job.steps, job.eta, job.batch_size, rank, world_size, job.progress, job.respacing,
-                               guidance, job.class_label)
+                               guidance, job.class_label, job.spacing, job.order)
 
 
 def load_model(ckpt_or_logdir, ema=True):
@@ -147,10 +151,10 @@ def load_guidance(guide_ckpt, weight, cfg, ema=True, unconditional=False):
     return Autoguidance(model, float(weight), unconditional), step
 
 
-def check_sampler(diffusion, sampler, steps, eta=0.0, respacing=None):
+def check_sampler(diffusion, sampler, steps, eta=0.0, respacing=None, spacing=None, order=None):
     """``diffusion.check_sampling`` for the scripts, before any work: ``SamplingError`` instead of ValueError."""
     try:
-        diffusion.check_sampling(sampler, steps, eta, respacing)
+        diffusion.check_sampling(sampler, steps, eta, respacing, spacing, order)
     except ValueError as err:
         raise SamplingError(str(err)) from None
 
@@ -188,9 +192,9 @@ def missing_indices(output, num_images, rank=0, world_size=1):
 
 def sample_to_directory(model, diffusion, image_shape, output, num_images, seed, sampler="ddpm", steps=None,
                         eta=0.0, batch_size=64, rank=0, world_size=1, progress=True, respacing=None, guidance=None,
-                        class_label=None):
+                        class_label=None, spacing=None, order=None):
     """Write this rank's missing images ``000000.png ...`` into ``output`` (``guidance``: an ``Autoguidance`` or
-    None; ``class_label``: see ``generate_images``); returns how many it wrote.
+    None; ``class_label``, ``spacing``, ``order``: see ``generate_images``); returns how many it wrote.
 
     Each PNG is written atomically as soon as its batch is done, so an interrupted run loses at most
     one batch and a rerun continues where it stopped.
@@ -203,7 +207,7 @@ def sample_to_directory(model, diffusion, image_shape, output, num_images, seed,
             chunk = todo[start:start + batch_size]
             images = generate_images(model, diffusion, image_shape, chunk, seed, sampler, steps, eta,
                                      batch_size, progress=bar, respacing=respacing, guidance=guidance,
-                                     class_label=class_label)
+                                     class_label=class_label, spacing=spacing, order=order)
             for index, image in zip(chunk, images):
                 save_png(image_path(output, index), image)
     return len(todo)

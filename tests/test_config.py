@@ -21,7 +21,8 @@ from megdiffusion.training.config import ConfigError, TrainConfig
     (dict(batch_size=6, world_size=4), "--batch_size: global batch size 6 is not divisible by world size 4"),
     (dict(channel_mult=(1, 2), image_size=9), "bad model flags: image_size=9 must be divisible by"),
     (dict(num_timesteps=20), "bad diffusion flags: the linear schedule needs num_timesteps > 20"),
-    (dict(sample_every=10, sample_steps=41), "--sample_steps: steps must be an integer between 1 and T=40, got 41"),
+    (dict(sample_every=10, sample_steps=41),
+     "--sample_sampler/--sample_steps/--sample_spacing/--sample_order: steps must be an integer between 1 and T=40"),
     (dict(loss_type="hybrid"), "bad diffusion flags: loss_type 'hybrid' weights the vb term that trains a learned "
                                "variance; var_type 'fixedlarge' learns none"),
     (dict(num_heads=3), "bad model flags: attention over 32 channels cannot be split into heads with num_heads=3"),
@@ -77,8 +78,10 @@ def test_flags_list_the_choices_and_bounds():
     assert "<fixedlarge|fixedsmall|learned_range|learned>" in flag_values["var_type"].help
     assert "<mse|hybrid>" in flag_values["loss_type"].help and "<ho|pytorch_ddpm|iddpm>" in \
         flag_values["time_embedding"].help
-    with pytest.raises(flags.IllegalFlagValueError, match="should be one of <ddpm|ddim>"):
-        flag_values(["train", "--sample_sampler=euler"])
+    with pytest.raises(flags.IllegalFlagValueError, match="should be one of <ddpm|ddim|euler|heun|"):
+        flag_values(["train", "--sample_sampler=bogus"])
+    with pytest.raises(flags.IllegalFlagValueError, match="should be one of <leading|linspace|trailing|karras|logsnr>"):
+        flag_values(["train", "--sample_spacing=uniform"])
 
 
 def test_list_flags_need_integers():

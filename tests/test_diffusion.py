@@ -506,8 +506,28 @@ def test_given_noise_and_global_seed_are_deterministic():
 def test_sample_argument_errors():
     d = GaussianDiffusion(make_beta_schedule("linear", 100))
     shape = (2, 1, 2, 2)
-    with pytest.raises(ValueError, match="sampler"):
-        d.sample(toy_model, shape, sampler="euler")
+    with pytest.raises(ValueError, match="unknown sampler 'bogus'; choose one of ddpm, ddim, euler, heun"):
+        d.sample(toy_model, shape, sampler="bogus")
+    with pytest.raises(ValueError, match="only used by the ddim sampler"):
+        d.sample(toy_model, shape, sampler="dpmpp_2m", eta=0.5)
+    with pytest.raises(ValueError, match="unipc has order 2 or 3, not 4"):
+        d.sample(toy_model, shape, sampler="unipc", order=4)
+    with pytest.raises(ValueError, match="dpmpp_2m has order 2, not 3"):
+        d.sample(toy_model, shape, sampler="dpmpp_2m", order=3)
+    with pytest.raises(ValueError, match="--order is for the multistep solvers"):
+        d.sample(toy_model, shape, sampler="ddim", order=2)
+    with pytest.raises(ValueError, match="dpmpp_3m with --spacing karras needs --steps >= 3, got 2"):
+        d.sample(toy_model, shape, sampler="dpmpp_3m", steps=2)
+    with pytest.raises(ValueError, match="euler with --spacing logsnr needs --steps >= 2, got 1"):
+        d.sample(toy_model, shape, sampler="euler", steps=1, spacing="logsnr")
+    with pytest.raises(ValueError, match="--spacing must be one of leading, linspace, trailing, got 'karras'"):
+        d.sample(toy_model, shape, sampler="ddim", steps=10, spacing="karras")
+    with pytest.raises(ValueError, match="--respacing is for ddpm and ddim; heun takes --steps and --spacing"):
+        d.sample(toy_model, shape, sampler="heun", respacing="ddim10")
+    with pytest.raises(ValueError, match="unknown spacing 'uniform'"):
+        d.sample(toy_model, shape, sampler="heun", spacing="uniform")
+    with pytest.raises(ValueError, match="mean_type 'xprev' model"):
+        GaussianDiffusion(make_beta_schedule("linear", 100), mean_type="xprev").sample(toy_model, shape, "unipc")
     with pytest.raises(ValueError, match="eta"):
         d.sample(toy_model, shape, sampler="ddpm", eta=0.5)
     with pytest.raises(ValueError, match="one per image"):

@@ -219,7 +219,7 @@ def test_cli_writes_pngs_grid_npz_and_refuses_other_settings(logdir, tmp_path):
 @pytest.mark.parametrize("case, message", [
     ("missing", "no checkpoint file"),
     ("corrupt", "cannot read checkpoint"),
-    ("sampler", "--sampler=euler: value should be one of <ddpm|ddim>"),
+    ("sampler", "--sampler=euler2: value should be one of <ddpm|ddim|euler|heun|dpmpp_2m|dpmpp_3m|dpmpp_2m_sde|unipc>"),
     ("steps", "between 1 and T=40"),
     ("output_file", "is a file"),
     ("gpus", "--num_gpus 2 needs CUDA GPUs"),
@@ -232,7 +232,7 @@ def test_cli_bad_input_one_line_exit_2(logdir, tmp_path, case, message):
     output_file.write_text("keep me")
     args = {"ckpt": good, "output": str(tmp_path / "out"), "sampler": "ddim", "steps": "4"}
     args.update({"missing": {"ckpt": str(tmp_path / "nope.pkl")}, "corrupt": {"ckpt": str(corrupt)},
-                 "sampler": {"sampler": "euler"}, "steps": {"steps": "41"},
+                 "sampler": {"sampler": "euler2"}, "steps": {"steps": "41"},
                  "output_file": {"output": str(output_file)}, "gpus": {"num_gpus": "2"}}[case])
     if case == "gpus" and cuda_driver_loadable():
         pytest.skip("a machine with a CUDA driver may have 2 GPUs")

@@ -38,6 +38,16 @@ DEFAULT_STEPS = 20
 DEFAULT_SPACING = "karras"
 
 
+def sampler_label(sampler, steps, respacing=None, spacing=None, order=None):
+    """How outputs name a sampler setting: "ddim-50", "ddpm-respacing 50", "unipc3-20 karras"."""
+    if respacing:
+        return f"{sampler}-respacing {respacing}"
+    if sampler not in SOLVERS:
+        return f"{sampler}-{steps}" + (f" {spacing}" if spacing else "")
+    steps = DEFAULT_STEPS if steps is None else steps
+    return f"{sampler}{order or ''}-{steps} {spacing or DEFAULT_SPACING}"
+
+
 def calls_per_image(sampler, steps):
     """Network calls of one image (without guidance): Heun calls twice per step but not on the last."""
     return 2 * steps - 1 if sampler == HEUN else steps

@@ -21,8 +21,10 @@ import time
 
 from absl import app, flags
 
+from megdiffusion.cli import define_solver_flags
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import SAMPLERS
+from megdiffusion.diffusion.solvers import sampler_label
 from megdiffusion.training.config import CPU_RECIPE
 from megdiffusion.fileio import copy_file, output_directory, save_npz, write_text
 
@@ -43,6 +45,7 @@ flags.DEFINE_enum("sampler", None, SAMPLERS, "Sampler for the grid and FID sampl
 # 100 steps: 2.9 and 3.8 FID better than 50 on the recipe's 45,000-image checkpoints of seeds 0 and 1, for ~70 s
 # more scoring; 200 gained nothing more on an earlier checkpoint (benchmarks/README.md, "The CPU recipe").
 flags.DEFINE_integer("steps", 100, "Sampling steps for the grid and FID samples.")
+define_solver_flags()
 flags.DEFINE_integer("batch_size", 100, "Sampling and Inception batch size.")
 # Autoguidance on the recipe's 45,000-image checkpoint, DDPM-50: 66.2 unguided; with the guide at half the steps
 # 60.1, 55.9, 54.9 and 55.0 for w 1.5, 2, 2.5 and 3 (benchmarks/README.md, "Autoguidance").
@@ -91,7 +94,7 @@ def prepare_output(output, resume):
 
 
 def demo(output, minutes, resume, config_path, num_images, num_reference, sampler, steps, batch_size,
-         train_images=None, guidance=1.0):
+         train_images=None, guidance=1.0, spacing=None, order=None):
     """Check everything, then (``output`` locked) train for ``minutes`` or ``train_images`` (this run), sample
     (guided by the model ``GUIDE_FRACTION`` of the way through the training when ``guidance`` > 1), draw grids
     and score; returns the summary dict (also written to summary.json)."""
@@ -130,7 +133,7 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
         raise UsageError(f"--num_images {num_images} + --num_reference {num_reference} is more than the "
                          f"{len(images)} training images: the floor's real images must be apart from the reference")
     sampler = sampler or cfg.sample_sampler
-    check_sampler(build_diffusion(cfg), sampler, steps)  # before training, not after 10 minutes of it
+    check_sampler(build_diffusion(cfg), sampler, steps, spacing=spacing, order=order)  # before training, not after it
     with output_directory(output, "--output", MARKER):
         prepare_output(output, resume)
         started = time.monotonic()
@@ -152,7 +155,7 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
         real = reference_statistics(images[-num_images:], cache.format("last", num_images), batch_size, progress=True)
         floor = float(frechet_distance(*real, *reference))
         fid, samples = model_fid(model, diffusion, cfg.image_shape, reference, num_images, cfg.seed, sampler, steps,
-                                 batch_size=batch_size, progress=True, guidance=guide)
+                                 batch_size=batch_size, progress=True, guidance=guide, spacing=spacing, order=order)
         columns = cfg.num_classes or 8  # a class-conditional model: a column per class (image i: class i mod n)
         save_png(os.path.join(output, "samples.png"), make_grid(samples[:64 // columns * columns], nrow=columns))
         save_png(os.path.join(output, "real.png"), make_grid(images[:64], nrow=8))
@@ -163,7 +166,8 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
                    "fid": round(float(fid), 2), "fid_num_images": num_images,
                    "fid_floor": round(floor, 2), "verdict": verdict(float(fid), floor),
                    "fid_reference": f"the first {num_reference} embedded Fashion-MNIST images",
-                   "sampler": f"{sampler}-{steps}", "guidance": guidance, "guide_step": guide_step,
+                   "sampler": sampler_label(sampler, steps, spacing=spacing, order=order), "guidance": guidance,
+                   "guide_step": guide_step,
                    "guide_unconditional": bool(guide and guide.unconditional),
                    "samples_grid": os.path.join(output, "samples.png"),
                    "real_grid": os.path.join(output, "real.png")}
@@ -188,7 +192,7 @@ def main(argv):
         quiet_megengine()
         s = demo(FLAGS.output, minutes, FLAGS.resume, FLAGS.config or CPU_RECIPE,
                  FLAGS.num_images, FLAGS.num_reference, FLAGS.sampler, FLAGS.steps, FLAGS.batch_size, FLAGS.images,
-                 FLAGS.guidance)
+                 FLAGS.guidance, FLAGS.spacing, FLAGS.order)
     unconditional = " unconditional" if s["guide_unconditional"] else ""
     guided = (f", guided by the step-{s['guide_step']}{unconditional} model with w={s['guidance']:g}"
               if s["guidance"] > 1 else "")

@@ -12,9 +12,11 @@ import sys
 
 from absl import app, flags
 
-from megdiffusion.cli import UsageError, define_guidance_flags, megengine_failures, one_line_errors, parse_flags
+from megdiffusion.cli import (UsageError, define_guidance_flags, define_solver_flags, megengine_failures,
+                              one_line_errors, parse_flags)
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import SAMPLERS
+from megdiffusion.diffusion.solvers import sampler_label
 from megdiffusion.fileio import check_writable
 
 FLAGS = flags.FLAGS
@@ -33,6 +35,7 @@ flags.DEFINE_string("respacing", None, "With --ckpt, instead of --steps: improve
                     "('50', 'ddim50', '10,15,20'; see scripts.sample).")
 flags.DEFINE_float("eta", 0.0, "With --ckpt: DDIM eta.")
 flags.DEFINE_integer("seed", 0, "With --ckpt: image i of the samples depends only on (seed, i).")
+define_solver_flags()
 define_guidance_flags()
 
 
@@ -52,11 +55,12 @@ def model_fid(reference_spec):
         raise UsageError("--ckpt needs --num_images (how many samples to score; papers use 50,000)")
     model, diffusion, cfg, step = load_model(FLAGS.ckpt, ema=FLAGS.ema)
     steps = FLAGS.steps if FLAGS["steps"].present or not FLAGS.respacing else None  # --steps has a default
-    check_sampler(diffusion, FLAGS.sampler, steps, FLAGS.eta, FLAGS.respacing)
+    check_sampler(diffusion, FLAGS.sampler, steps, FLAGS.eta, FLAGS.respacing, FLAGS.spacing, FLAGS.order)
     guidance, _ = load_guidance(FLAGS.guide_ckpt, FLAGS.guidance, cfg, FLAGS.ema, FLAGS.guide_unconditional)
     reference = _statistics(reference_spec)
     value, _ = score(model, diffusion, cfg.image_shape, reference, FLAGS.num_images, FLAGS.seed, FLAGS.sampler,
-                     steps, FLAGS.eta, FLAGS.batch_size, FLAGS.progress, FLAGS.respacing, guidance)
+                     steps, FLAGS.eta, FLAGS.batch_size, FLAGS.progress, FLAGS.respacing, guidance, FLAGS.spacing,
+                     FLAGS.order)
     return value, step
 
 
@@ -71,10 +75,11 @@ def main(argv):
             if len(paths) != 1:
                 raise UsageError(f"with --ckpt give one reference PATH (images or stats npz); got {len(paths)}")
             value, step = model_fid(paths[0])
-            spacing = f"respacing {FLAGS.respacing}" if FLAGS.respacing else FLAGS.steps
+            label = sampler_label(FLAGS.sampler, None if FLAGS.respacing else FLAGS.steps, FLAGS.respacing,
+                                  FLAGS.spacing, FLAGS.order)
             guided = f", guided by {FLAGS.guide_ckpt} with w={FLAGS.guidance:g}" if FLAGS.guide_ckpt else ""
             print(f"FID: {value:.4f} ({FLAGS.num_images} {'EMA' if FLAGS.ema else 'raw'} samples of "
-                  f"{FLAGS.ckpt} step {step}, {FLAGS.sampler}-{spacing}{guided}, vs {paths[0]})")
+                  f"{FLAGS.ckpt} step {step}, {label}{guided}, vs {paths[0]})")
             return
         if len(paths) != 2:
             usage = "--save_stats PATH OUT.npz" if FLAGS.save_stats else "PATH_A PATH_B"

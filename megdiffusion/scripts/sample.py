@@ -10,16 +10,19 @@ A class-conditional model draws image i of class i mod its number of classes, or
 """
 from absl import app, flags
 
-from megdiffusion.cli import (UsageError, define_guidance_flags, megengine_failures, one_line_errors, parse_flags,
-                              reject_arguments)
+from megdiffusion.cli import (UsageError, define_guidance_flags, define_solver_flags, megengine_failures,
+                              one_line_errors, parse_flags, reject_arguments)
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import SAMPLERS
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("ckpt", None, "Checkpoint file, or a logdir whose newest valid checkpoint is used.")
 flags.DEFINE_bool("ema", True, "Use the EMA weights (--noema: the raw training weights).")
-flags.DEFINE_enum("sampler", "ddpm", SAMPLERS, "Ancestral DDPM (respaced for fewer steps) or DDIM.")
-flags.DEFINE_integer("steps", None, "Denoising steps (default: T). Fewer steps use range(0, T, T // steps).")
+flags.DEFINE_enum("sampler", "ddpm", SAMPLERS, "Ancestral DDPM (respaced for fewer steps), DDIM, or a solver of "
+                  "the probability-flow ODE: euler, heun (two network calls per step), dpmpp_2m, dpmpp_3m, unipc "
+                  "(DPM-Solver++ and UniPC, one call per step); dpmpp_2m_sde adds noise.")
+flags.DEFINE_integer("steps", None, "Denoising steps (default: T for ddpm and ddim, 20 for the solvers). Fewer steps "
+                     "use range(0, T, T // steps) (see --spacing).")
 flags.DEFINE_string("respacing", None, "Instead of --steps: improved-diffusion's timestep respacing, 'N' (N steps "
                     "evenly spaced, the first and last kept), 'a,b,c' (a, b and c steps in three equal sections) or "
                     "'ddimN' (the smallest stride that gives N).")
@@ -32,6 +35,7 @@ flags.DEFINE_bool("npz", True, "Also write samples.npz (uint8 NHWC under arr_0) 
 flags.DEFINE_integer("num_gpus", 1, "Spread the images over this many GPUs (megengine.distributed).")
 flags.DEFINE_integer("class_label", None, "A class-conditional model (trained with --num_classes): every image of "
                      "this class. Default: image i of class i mod num_classes.")
+define_solver_flags()
 define_guidance_flags()
 
 
@@ -49,7 +53,8 @@ def main(argv):
         job = sampling.SampleJob(FLAGS.ckpt, FLAGS.output, FLAGS.num_images, FLAGS.seed, FLAGS.sampler, FLAGS.steps,
                                  FLAGS.respacing, FLAGS.eta, FLAGS.batch_size, FLAGS.ema, npz=FLAGS.npz,
                                  guide_ckpt=FLAGS.guide_ckpt, guidance=FLAGS.guidance, class_label=FLAGS.class_label,
-                                 guide_unconditional=FLAGS.guide_unconditional)
+                                 guide_unconditional=FLAGS.guide_unconditional, spacing=FLAGS.spacing,
+                                 order=FLAGS.order)
         step = sampling.run_job(job, FLAGS.num_gpus)
     guided = f", guided by {FLAGS.guide_ckpt} with w={FLAGS.guidance:g}" if FLAGS.guide_ckpt else ""
     print(f"{FLAGS.num_images} images in {FLAGS.output} (grid.png{', samples.npz' if FLAGS.npz else ''}), "

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional, Tuple
 
 from megdiffusion.data.datasets import DATASETS
-from megdiffusion.diffusion.choices import LEARNED_VAR_TYPES, LOSS_TYPES, MEAN_TYPES, SAMPLERS, VAR_TYPES
+from megdiffusion.diffusion.choices import LEARNED_VAR_TYPES, LOSS_TYPES, MEAN_TYPES, SAMPLERS, SPACINGS, VAR_TYPES
 from megdiffusion.diffusion.schedules import SCHEDULES
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.nn.options import DOWNSAMPLE_PADDING, DOWNSAMPLE_PADDINGS, NORM_EPS, NORM_GROUPS, TIME_EMBEDDING, \
@@ -131,6 +131,9 @@ class TrainConfig:
     sample_num: int = _flag(64, "Images in each sample grid.", min=1)
     sample_sampler: str = _flag("ddim", "Sampler for the grids (and for --fid_every).", choices=SAMPLERS)
     sample_steps: int = _flag(50, "Sampling steps for the grids (and for --fid_every), at most T.")
+    sample_spacing: Optional[str] = _flag(None, "Where the grids' sampling steps lie (scripts.sample --spacing); "
+                                          "unset: the sampler's default.", choices=SPACINGS)
+    sample_order: Optional[int] = _flag(None, "The grids' solver order, for unipc (2 or 3); unset: its default.")
     resume: bool = _flag(False, "Continue from the newest loadable checkpoint in logdir.")
     init_from: Optional[str] = _flag(None, "Start from the model and EMA weights of this checkpoint (a file, e.g. "
                                      "from scripts.convert, or a logdir's newest) with a new optimizer at step 0; "
@@ -241,7 +244,7 @@ def check_field(f, value):
     if value is None:
         return
     choices = f.metadata.get("choices")
-    if choices is not None and value not in choices:
+    if choices is not None and value is not None and value not in choices:
         raise ConfigError(f"--{f.name} must be one of {', '.join(choices)}, got {value!r}")
     if not all(test(value, f.metadata[key]) for key, _, test in _BOUNDS if key in f.metadata):
         raise ConfigError(f"--{f.name} must be {rule(f)}, got {value}")
@@ -285,9 +288,10 @@ def validate(cfg):
                           "the perturbed x_t")
     try:
         if cfg.sample_every or cfg.fid_every:  # the only users of the sampler settings
-            diffusion.check_sampling(cfg.sample_sampler, cfg.sample_steps)
+            diffusion.check_sampling(cfg.sample_sampler, cfg.sample_steps, spacing=cfg.sample_spacing,
+                                     order=cfg.sample_order)
     except ValueError as err:
-        raise ConfigError(f"--sample_steps: {err}") from None
+        raise ConfigError(f"--sample_sampler/--sample_steps/--sample_spacing/--sample_order: {err}") from None
 
 
 def build_model(cfg):

@@ -35,7 +35,8 @@ def sample_grid(model, diffusion, cfg):
     every step and on resume), sampled with the grid sampler and step count; a class-conditional model's has a
     column per class."""
     images = generate_images(model, diffusion, cfg.image_shape, range(cfg.sample_num), cfg.seed, cfg.sample_sampler,
-                             cfg.sample_steps, batch_size=cfg.sample_num)
+                             cfg.sample_steps, batch_size=cfg.sample_num, spacing=cfg.sample_spacing,
+                             order=cfg.sample_order)
     return make_grid(images, nrow=cfg.num_classes or None)
 
 

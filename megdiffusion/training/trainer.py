@@ -342,7 +342,8 @@ class TrainingRun:
         cfg = self.cfg
         reference = reference_statistics(self.loader.images, os.path.join(cfg.logdir, "fid_reference.npz"))
         value, _ = model_fid(self.trainer.ema, self.trainer.diffusion, cfg.image_shape, reference, cfg.fid_num_images,
-                             cfg.seed, cfg.sample_sampler, cfg.sample_steps)
+                             cfg.seed, cfg.sample_sampler, cfg.sample_steps, spacing=cfg.sample_spacing,
+                             order=cfg.sample_order)
         self.logger.write_metrics(self.trainer.step_count, {"fid": value, "fid_num_images": cfg.fid_num_images})
         self.logger.message(f"step {self.trainer.step_count}: FID {value:.2f} ({cfg.fid_num_images} EMA samples)")
 
