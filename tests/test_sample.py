@@ -12,6 +12,7 @@ import pytest
 
 from megdiffusion import sampling
 from megdiffusion.compat import cuda_driver_loadable, quiet_megengine
+from megdiffusion.diffusion.solvers import SOLVERS
 from megdiffusion.generation import Autoguidance, _Guided, generate_images
 from megdiffusion.nn.options import NO_CLASS
 from megdiffusion.training import checkpoint as ckpt
@@ -302,3 +303,34 @@ def test_launched_sampling_on_gpus_equals_one_process(logdir, tmp_path):
         distributed.launch(sampling.sample_share, (launched,), 1, use_launcher=True)
     one, many = (sampling.read_samples(tmp_path / name, 6).astype(int) for name in ("one", "launched"))
     assert np.abs(one - many).max() <= 1  # other processes, maybe other GPUs: rounding may differ
+
+
+@pytest.mark.parametrize("sampler", SOLVERS)
+def test_solvers_image_i_comes_from_seed_and_i_and_guidance_guides_every_call(logdir, sampler):
+    """Every solver gives image i from (seed, i) alone (split runs equal one run; the SDE's noise too), and guided
+    (on the fast path when it runs) equals the solver on a network computing bad + w (good - bad) with MegEngine's
+    own modules."""
+    good, diffusion, _, _ = sampling.load_model(str(logdir), ema=True)
+    bad = sampling.load_model(str(logdir), ema=False)[0]
+    steps = 4
+    whole = generate_images(good, diffusion, SHAPE, range(6), 0, sampler, steps, batch_size=6)
+    parts = [generate_images(good, diffusion, SHAPE, chunk, 0, sampler, steps, batch_size=len(chunk))
+             for chunk in (range(0, 2), range(2, 6))]
+    np.testing.assert_array_equal(whole, np.concatenate(parts))
+    guided = generate_images(good, diffusion, SHAPE, range(6), 0, sampler, steps, guidance=Autoguidance(bad, 2.5))
+    by_hand = generate_images(lambda x, t: bad(x, t) + 2.5 * (good(x, t) - bad(x, t)), diffusion, SHAPE, range(6), 0,
+                              sampler, steps)
+    assert np.abs(guided.astype(int) - by_hand).max() <= 1
+    assert np.abs(guided.astype(int) - whole).mean() > 2
+
+
+def test_a_solver_samples_a_class_conditional_model_per_class(conditional_logdir):
+    """unipc on a class-conditional model: image i of class i mod 3 (each image equals the one drawn alone with
+    --class_label i mod 3), and other classes give other images."""
+    model, diffusion, _, _ = sampling.load_model(str(conditional_logdir))
+    mixed = generate_images(model, diffusion, SHAPE, range(3), 0, "unipc", 4)
+    for i in range(3):
+        alone = generate_images(model, diffusion, SHAPE, [i], 0, "unipc", 4, class_label=i)
+        np.testing.assert_array_equal(mixed[i], alone[0])
+    other = generate_images(model, diffusion, SHAPE, [0], 0, "unipc", 4, class_label=1)
+    assert not np.array_equal(mixed[0], other[0])

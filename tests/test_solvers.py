@@ -21,7 +21,7 @@ import pytest
 
 from megengine import Tensor
 
-from megdiffusion.diffusion import GaussianDiffusion, samplers, solvers
+from megdiffusion.diffusion import GaussianDiffusion, make_beta_schedule, samplers, solvers
 
 REFERENCE = Path(os.environ.get("MEGDIFFUSION_SOLVER_REFERENCE") or Path(__file__).parent / "fixtures" / "solvers")
 CASES = json.loads((REFERENCE / "cases.json").read_text())["cases"]
@@ -248,3 +248,31 @@ def test_euler_heun_start_convention(name):
     np.testing.assert_allclose(theirs, ARRAYS[p + "final_f64"], atol=1e-7)
     moved = np.abs(ours - theirs).max()
     assert 0 < moved <= 10 * np.abs(z).max() / top ** 2
+
+
+@pytest.mark.parametrize("sampler", solvers.SOLVERS)
+def test_a_learned_variance_is_ignored_and_clipping_is_per_call(sampler):
+    """A learned-variance model (twice the channels) samples as the same predictions without the variance half,
+    whatever that half says; with clip_denoised every x_0 prediction is clipped, so a model predicting x_0 = 3 gives
+    images at 1."""
+    betas = make_beta_schedule("linear", 100)
+
+    def make(var_type, variance):
+        def model(x, t):
+            eps = x * 0.5 + Tensor(np.cos(t.numpy() / 50.0).astype(np.float32)).reshape(-1, 1, 1, 1)
+            return eps if variance is None else Tensor(np.concatenate([eps.numpy(), np.full(eps.shape, variance,
+                                                                                          np.float32)], axis=1))
+        return GaussianDiffusion(betas, var_type=var_type), model
+
+    shape, seeds = (2, 1, 3, 3), [5, 6]
+    base_diffusion, base_model = make("fixedlarge", None)
+    base = base_diffusion.sample(base_model, shape, sampler, steps=6, seeds=seeds).numpy()
+    for variance in (-1.0, 1.0):
+        diffusion, model = make("learned_range", variance)
+        np.testing.assert_array_equal(diffusion.sample(model, shape, sampler, steps=6, seeds=seeds).numpy(), base)
+    x0_model = GaussianDiffusion(betas, mean_type="xstart")
+    images = x0_model.sample(lambda x, t: x * 0 + 3.0, shape, sampler, steps=6, seeds=seeds).numpy()
+    unclipped = x0_model.solve(lambda x, t: x * 0 + 3.0, Tensor(np.zeros(shape, np.float32)), sampler, 6, "karras",
+                               clip_denoised=False, draw_noise=lambda: Tensor(np.zeros(shape, np.float32)))
+    np.testing.assert_allclose(images, 1.0)
+    np.testing.assert_allclose(unclipped.numpy(), 3.0, rtol=1e-6)

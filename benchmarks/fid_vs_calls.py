@@ -1,0 +1,111 @@
+"""FID against network calls per image, for every sampler, on a demo's checkpoint (the demo's protocol: 500 EMA
+samples against the first 1000 embedded Fashion-MNIST images, guided by the demo's guide.pkl with w 2.5 or not).
+
+    .venv/bin/python benchmarks/fid_vs_calls.py RUN_DIR OUT.jsonl SAMPLER:SPACING:CALLS[:unguided] ...
+    .venv/bin/python benchmarks/fid_vs_calls.py --plot OUT.jsonl docs/fid_vs_calls.png
+
+RUN_DIR is a demo's --output (``scripts/demo.sh --images 45000 --output RUN_DIR``). CALLS counts every network call
+of an image, the guide's too: guided samplers take half as many steps (Heun: calls = 2 (2 steps - 1) guided,
+2 steps - 1 unguided). Each point appends one JSON line to OUT.jsonl (points already there are skipped), with its
+FID, the sampling seconds and the command that reproduces it. ``--plot`` draws the curves (needs matplotlib).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+from megdiffusion.compat import quiet_megengine
+
+GUIDANCE = 2.5
+
+
+def steps_for(sampler, calls, guided):
+    """Sampler steps that make ``calls`` network calls per image (ValueError when none does)."""
+    per_model = calls // 2 if guided else calls
+    if guided and calls % 2:
+        raise ValueError(f"a guided sampler makes an even number of calls, not {calls}")
+    if sampler == "heun":
+        if per_model % 2 == 0:
+            raise ValueError(f"heun makes 2 steps - 1 calls per model, not {per_model}")
+        return (per_model + 1) // 2
+    return per_model
+
+
+def measure(run_dir, sampler, spacing, calls, guided, num_images=500, batch_size=100):
+    """One point: FID and sampling seconds of ``num_images`` samples of the run's final EMA model."""
+    from megdiffusion.evaluate import model_fid
+    from megdiffusion.generation import Autoguidance
+    from megdiffusion.metrics.fid import load_statistics
+    from megdiffusion.sampling import load_model
+
+    model, diffusion, cfg, step = load_model(os.path.join(run_dir, "train"))
+    guide = None
+    if guided:
+        guide = Autoguidance(load_model(os.path.join(run_dir, "guide.pkl"))[0], GUIDANCE)
+    reference = load_statistics(os.path.join(run_dir, "reference", "fashion_mnist_first1000.npz"))
+    steps = steps_for(sampler, calls, guided)
+    started = time.perf_counter()
+    fid, _ = model_fid(model, diffusion, cfg.image_shape, reference, num_images, cfg.seed, sampler, steps,
+                       batch_size=batch_size, guidance=guide, spacing=None if spacing == "default" else spacing)
+    return {"fid": round(float(fid), 2), "steps": steps, "train_step": int(step), "seed": cfg.seed,
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+def plot(results_path, image_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in open(results_path)]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, guided in zip(axes, (True, False)):
+        curves = {}
+        for row in rows:
+            if row["guided"] == guided and row["seed"] == 0:
+                curves.setdefault(f"{row['sampler']} ({row['spacing']})", []).append((row["calls"], row["fid"]))
+        for label, points in sorted(curves.items()):
+            points.sort()
+            ax.plot([c for c, _ in points], [f for _, f in points], marker="o", label=label)
+        ax.set_xscale("log")
+        ax.set_xlabel("network calls per image")
+        ax.set_title(f"{'guided (w 2.5, autoguidance)' if guided else 'unguided'}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("FID (500 samples vs 1000 real; floor 33.0)")
+    fig.suptitle("The demo's model at 45,008 training images, seed 0")
+    fig.tight_layout()
+    fig.savefig(image_path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plot", action="store_true")
+    parser.add_argument("paths", nargs=2)
+    parser.add_argument("points", nargs="*", help="SAMPLER:SPACING:CALLS[:unguided] (SPACING 'default': the "
+                        "sampler's own)")
+    args = parser.parse_args()
+    if args.plot:
+        return plot(*args.paths)
+    quiet_megengine()
+    run_dir, out = args.paths
+    done = set()
+    if os.path.exists(out):
+        done = {(r["run"], r["sampler"], r["spacing"], r["calls"], r["guided"]) for r in map(json.loads, open(out))}
+    for point in args.points:
+        sampler, spacing, calls, *rest = point.split(":")
+        guided = rest != ["unguided"]
+        key = (os.path.abspath(run_dir), sampler, spacing, int(calls), guided)
+        if key in done:
+            continue
+        row = {"run": key[0], "sampler": sampler, "spacing": spacing, "calls": int(calls), "guided": guided,
+               **measure(run_dir, sampler, spacing, int(calls), guided),
+               "command": f"{sys.executable} benchmarks/fid_vs_calls.py {run_dir} OUT.jsonl {point}"}
+        print(json.dumps(row), flush=True)
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
