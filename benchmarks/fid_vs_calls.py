@@ -7,7 +7,8 @@ samples against the first 1000 embedded Fashion-MNIST images, guided by the demo
 RUN_DIR is a demo's --output (``scripts/demo.sh --images 45000 --output RUN_DIR``). CALLS counts every network call
 of an image, the guide's too: guided samplers take half as many steps (Heun: calls = 2 (2 steps - 1) guided,
 2 steps - 1 unguided). Each point appends one JSON line to OUT.jsonl (points already there are skipped), with its
-FID, the sampling seconds and the command that reproduces it. ``--plot`` draws the curves (needs matplotlib).
+FID, the sampling and Inception seconds and the command that reproduces it. ``--plot`` draws the curves (needs
+matplotlib).
 """
 import argparse
 import json
@@ -34,22 +35,23 @@ def steps_for(sampler, calls, guided):
 
 def measure(run_dir, sampler, spacing, calls, guided, num_images=500, batch_size=100):
     """One point: FID and sampling seconds of ``num_images`` samples of the run's final EMA model."""
-    from megdiffusion.evaluate import model_fid
-    from megdiffusion.generation import Autoguidance
-    from megdiffusion.metrics.fid import load_statistics
+    from megdiffusion.generation import Autoguidance, generate_images
+    from megdiffusion.metrics import fid
     from megdiffusion.sampling import load_model
 
     model, diffusion, cfg, step = load_model(os.path.join(run_dir, "train"))
     guide = None
     if guided:
         guide = Autoguidance(load_model(os.path.join(run_dir, "guide.pkl"))[0], GUIDANCE)
-    reference = load_statistics(os.path.join(run_dir, "reference", "fashion_mnist_first1000.npz"))
+    reference = fid.load_statistics(os.path.join(run_dir, "reference", "fashion_mnist_first1000.npz"))
     steps = steps_for(sampler, calls, guided)
     started = time.perf_counter()
-    fid, _ = model_fid(model, diffusion, cfg.image_shape, reference, num_images, cfg.seed, sampler, steps,
-                       batch_size=batch_size, guidance=guide, spacing=None if spacing == "default" else spacing)
-    return {"fid": round(float(fid), 2), "steps": steps, "train_step": int(step), "seed": cfg.seed,
-            "seconds": round(time.perf_counter() - started, 1)}
+    samples = generate_images(model, diffusion, cfg.image_shape, range(num_images), cfg.seed, sampler, steps,
+                              batch_size=batch_size, guidance=guide, spacing=None if spacing == "default" else spacing)
+    sampled = time.perf_counter()
+    value = fid.frechet_distance(*fid.statistics_of_images(samples), *reference)
+    return {"fid": round(float(value), 2), "steps": steps, "train_step": int(step), "seed": cfg.seed,
+            "sample_seconds": round(sampled - started, 1), "inception_seconds": round(time.perf_counter() - sampled, 1)}
 
 
 def plot(results_path, image_path):
