@@ -28,6 +28,8 @@ setup(
         "tensorboard": ["tensorboardX"],
         # benchmarks/vs_pytorch.py's PyTorch twin only; megdiffusion never imports torch.
         "bench": ["torch"],
+        # benchmarks/fid_vs_calls.py --plot (docs/fid_vs_calls.png) only.
+        "docs": ["matplotlib"],
     },
     entry_points={
         "console_scripts": [
