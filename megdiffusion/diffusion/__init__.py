@@ -1,4 +1,4 @@
-"""Gaussian diffusion: beta schedules, the DDPM maths, DDPM and DDIM samplers.
+"""Gaussian diffusion: beta schedules, the DDPM maths, DDPM and DDIM samplers, and the ODE / SDE solvers.
 
 The names each part accepts are in ``choices`` and ``schedules.SCHEDULES``; neither imports MegEngine.
 """
