@@ -406,23 +406,19 @@ class GaussianDiffusion:
             if order is not None:
                 raise ValueError(f"--order is for the multistep solvers ({', '.join(solvers.MULTISTEP)}); "
                                  f"{sampler} has none")
-            if spacing not in (None, "leading") + solvers.INTEGER_SPACINGS:
+            if spacing not in (None,) + solvers.INTEGER_SPACINGS:
                 raise ValueError(f"{sampler} steps between timesteps: --spacing must be one of "
                                  f"{', '.join(solvers.INTEGER_SPACINGS)}, got {spacing!r}")
             if spacing and respacing:
                 raise ValueError(f"give --spacing or --respacing, not both (got {spacing!r} and {respacing!r})")
-            if spacing in ("linspace", "trailing") and steps is not None \
-                    and (int(steps) != steps or not 1 <= steps <= self.num_timesteps):
-                raise ValueError(f"steps must be an integer between 1 and T={self.num_timesteps}, got {steps}")
-            sampling_timesteps(self.num_timesteps, None if spacing else steps, respacing)
+            sampling_timesteps(self.num_timesteps, steps, respacing)  # the step count's bounds, whatever the spacing
             return
         if respacing:
             raise ValueError(f"--respacing is for ddpm and ddim; {sampler} takes --steps and --spacing")
         if self.mean_type == "xprev":
             raise ValueError(f"{sampler} needs the model's x_0 prediction, which a mean_type 'xprev' model does not "
                              "give; sample it with ddpm or ddim")
-        solvers.check_solver(sampler, solvers.DEFAULT_STEPS if steps is None else steps,
-                             spacing or solvers.DEFAULT_SPACING, order)
+        solvers.check_solver(sampler, *solvers.with_defaults(steps, spacing), order)
 
     def sample(self, model, shape, sampler="ddpm", steps=None, eta=0.0, noise=None, clip_denoised=True,
                progress=False, seeds=None, respacing=None, spacing=None, order=None):
@@ -458,8 +454,8 @@ class GaussianDiffusion:
                 else:
                     x = samplers.ddim_sample(chain, model, x, eta, clip_denoised, draw_noise, progress)
             else:
-                x = self.solve(model, x, sampler, solvers.DEFAULT_STEPS if steps is None else steps,
-                               spacing or solvers.DEFAULT_SPACING, order, clip_denoised, draw_noise, progress)
+                x = self.solve(model, x, sampler, *solvers.with_defaults(steps, spacing), order, clip_denoised,
+                               draw_noise, progress)
         return F.clip(x, -1.0, 1.0)
 
     def solve(self, model, x, sampler, steps, spacing, order=None, clip_denoised=True, draw_noise=None,

@@ -29,7 +29,6 @@ EULER, HEUN, DPMPP_2M, DPMPP_3M, DPMPP_2M_SDE, UNIPC = "euler", "heun", "dpmpp_2
 # name -> the orders it has (the first is the default): a solver of order p uses the last p model outputs.
 ORDERS = {EULER: (1,), HEUN: (2,), DPMPP_2M: (2,), DPMPP_3M: (3,), DPMPP_2M_SDE: (2,), UNIPC: (2, 3)}
 SOLVERS = tuple(ORDERS)
-STOCHASTIC = (DPMPP_2M_SDE,)  # draw noise at every step but the last
 MULTISTEP = (DPMPP_2M, DPMPP_3M, DPMPP_2M_SDE, UNIPC)
 INTEGER_SPACINGS = ("leading", "linspace", "trailing")
 SPACINGS = INTEGER_SPACINGS + ("karras", "logsnr")
@@ -38,14 +37,19 @@ DEFAULT_STEPS = 20
 DEFAULT_SPACING = "karras"
 
 
+def with_defaults(steps, spacing):
+    """A solver's (steps, spacing), None standing for ``DEFAULT_STEPS`` and ``DEFAULT_SPACING``."""
+    return DEFAULT_STEPS if steps is None else steps, spacing or DEFAULT_SPACING
+
+
 def sampler_label(sampler, steps, respacing=None, spacing=None, order=None):
     """How outputs name a sampler setting: "ddim-50", "ddpm-respacing 50", "unipc3-20 karras"."""
     if respacing:
         return f"{sampler}-respacing {respacing}"
     if sampler not in SOLVERS:
         return f"{sampler}-{steps}" + (f" {spacing}" if spacing else "")
-    steps = DEFAULT_STEPS if steps is None else steps
-    return f"{sampler}{order or ''}-{steps} {spacing or DEFAULT_SPACING}"
+    steps, spacing = with_defaults(steps, spacing)
+    return f"{sampler}{order or ''}-{steps} {spacing}"
 
 
 def calls_per_image(sampler, steps):
