@@ -498,8 +498,10 @@ def _read_weights(path):
 
 def _ours(path):
     """The error for a megdiffusion checkpoint (or a run's logdir) given to convert."""
-    return ConvertError(f"{path} is a megdiffusion checkpoint already and needs no conversion: give it as it is to "
-                        f"--ckpt (scripts.sample, scripts.fid, scripts.nll) or --init_from (scripts.train)")
+    what = ("holds megdiffusion checkpoints, which need" if os.path.isdir(path)
+            else "is a megdiffusion checkpoint: it needs")
+    return ConvertError(f"{path} {what} no conversion; give it as it is to --ckpt (scripts.sample, scripts.fid, "
+                        "scripts.nll) or --init_from (scripts.train)")
 
 
 def read_source(path, ema=False):

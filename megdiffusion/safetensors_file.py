@@ -31,10 +31,11 @@ def read_safetensors(path):
         if len(prefix) < 9 or prefix[8:9] != b"{":
             raise WeightsError(f"{path} is not a safetensors file (no JSON header after its first 8 bytes)")
         size, available = int.from_bytes(prefix[:8], "little"), os.fstat(f.fileno()).st_size - 8
-        if not 2 <= size <= min(MAX_HEADER, available):
-            raise WeightsError(f"{path}: its safetensors header length {size} is not between 2 and "
-                               f"{min(MAX_HEADER, available)} (the file's {available} bytes after the length, at "
-                               f"most {MAX_HEADER}); the file is damaged or not safetensors")
+        problem = (f"more than the file's {available} bytes after it" if size > available else
+                   f"more than {MAX_HEADER}, the format's limit" if size > MAX_HEADER else
+                   "too short for a JSON object" if size < 2 else None)
+        if problem:
+            raise WeightsError(f"{path}: its safetensors header length, {size}, is {problem}; the file is damaged")
         f.seek(8)
         try:
             header = json.loads(f.read(size))
