@@ -68,6 +68,8 @@ def main(argv):
                                           statistics_of_source)
 
     with one_line_errors(), megengine_failures("rerun the same command"):
+        if FLAGS.num_images is not None and FLAGS.num_images < 2:  # the flags' bounds: cli.parse_into
+            raise UsageError(f"FID needs --num_images >= 2 (a covariance), got {FLAGS.num_images}")
         if FLAGS.ckpt:
             if len(paths) != 1:
                 raise UsageError(f"with --ckpt give one reference PATH (images or stats npz); got {len(paths)}")
@@ -80,8 +82,6 @@ def main(argv):
         if len(paths) != 2:
             usage = "--save_stats PATH OUT.npz" if FLAGS.save_stats else "PATH_A PATH_B"
             raise UsageError(f"expected two arguments, {usage}; got {len(paths)}")
-        if FLAGS.batch_size < 1 or (FLAGS.num_images is not None and FLAGS.num_images < 2):
-            raise UsageError("--batch_size must be >= 1 and --num_images >= 2")
         if FLAGS.save_stats:
             if not paths[1].endswith(".npz"):
                 raise UsageError(f"the statistics file must end in .npz, got {paths[1]!r}")
