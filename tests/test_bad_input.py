@@ -406,7 +406,8 @@ def test_bad_input_is_one_error_line_exit_2_and_changes_no_file(shared, tmp_path
     args = [arg.replace("{shared}", str(shared)) for arg in args]
     message = message.replace("{shared}", str(shared))
     result = subprocess.run([sys.executable, "-m", f"megdiffusion.scripts.{script}", *args], cwd=workdir, env=env,
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, timeout=300)
+    result.stdout, result.stderr = result.stdout.decode(), result.stderr.decode()  # carriage returns kept
     lines = shown_lines(result.stderr)
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
