@@ -210,10 +210,8 @@ def check_logdir(cfg):
 
 
 def same_path(a, b):
-    """Whether paths ``a`` and ``b`` (either may be None) name the same file or directory."""
-    if a is None or b is None:
-        return a == b
-    return a == b or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
+    """Whether path ``a`` and ``b`` (None: no path) name the same file or directory."""
+    return b is not None and (a == b or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)))
 
 
 class TrainingInterrupted(MegdiffusionError):
