@@ -13,9 +13,42 @@ class UsageError(MegdiffusionError):
     """Bad command-line input; the message is one line that says what to fix."""
 
 
+# absl.app's debugging flags (listed by --helpfull), which would write files outside a command's outputs or stop in a
+# debugger: refused, with what to use instead.
+ABSL_DEBUG_FLAGS = {"run_with_profiling": "python -m cProfile -o FILE -m megdiffusion.scripts.NAME ...",
+                    "profile_file": "python -m cProfile -o FILE -m megdiffusion.scripts.NAME ...",
+                    "use_cprofile_for_profiling": "python -m cProfile -o FILE -m megdiffusion.scripts.NAME ...",
+                    "run_with_pdb": "python -m pdb -m megdiffusion.scripts.NAME ...",
+                    "pdb_post_mortem": "python -m pdb -m megdiffusion.scripts.NAME ...",
+                    "pdb": "python -m pdb -m megdiffusion.scripts.NAME ..."}
+# Image i of a run draws its noise from image_seed(seed, i) = (seed << 32) + i (``generation``): distinct for
+# i < 2**32 only, so no command makes more images than that.
+MAX_IMAGES = 2 ** 32
+# Bounds of the scripts' flags that are not ``TrainConfig`` fields (a flag named like a field takes the field's
+# bounds, ``config.field_bounds``), checked for every script when its flags are parsed (``parse_into``).
+SCRIPT_BOUNDS = {"num_images": {"min": 1, "max": MAX_IMAGES}, "num_reference": {"min": 2, "max": MAX_IMAGES},
+                 "images": {"min": 1}, "minutes": {"above": 0}}
+
+
+def error_line(message):
+    """The one line that reports ``message``: ``error: `` and its text with every control character (a line
+    break in a path, say) escaped as ``repr`` writes it, so that it stays on one line and means one thing."""
+    text = "".join(char if char.isprintable() else repr(char)[1:-1] for char in str(message))
+    return f"error: {text}"
+
+
+def _clear_progress_bars():
+    """Erase every progress bar still drawn (tqdm's), so that an error line starts a line of its own."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.leave = False
+        bar.close()
+
+
 def fail(message, code=2):
-    """Print ``error: message`` to stderr and exit with ``code``."""
-    print(f"error: {message}", file=sys.stderr)
+    """Clear any progress bar, print ``error_line(message)`` to stderr and exit with ``code``."""
+    _clear_progress_bars()
+    print(error_line(message), file=sys.stderr, flush=True)
     sys.exit(code)
 
 
@@ -50,16 +83,29 @@ def megengine_failures(how_to_continue):
 
 
 def parse_into(flag_values, argv):
-    """Parse ``argv`` into ``flag_values``; ``UsageError`` for a bad flag, a missing flagfile or a number
-    that is not finite (every float flag of every script). Returns the positional arguments."""
+    """Parse ``argv`` into ``flag_values``; ``UsageError`` for a bad flag, a missing flagfile, a number that is
+    not finite (every float flag of every script), a number outside its flag's bounds (``SCRIPT_BOUNDS``, or
+    the ``TrainConfig`` field of the same name) or one of ``ABSL_DEBUG_FLAGS``. Returns the positional
+    arguments."""
+    from megdiffusion.training.config import ConfigError, check_bounds, field_bounds
+
     try:
         rest = flag_values(argv)
     except flags.Error as err:
         raise UsageError(str(err).removeprefix("ERROR:: ")) from None
     for name in flag_values:
-        value = flag_values[name].value
+        flag = flag_values[name]
+        if name in ABSL_DEBUG_FLAGS and flag.present:
+            raise UsageError(f"--{name} is absl's debugging flag, which megdiffusion does not support; run "
+                             f"{ABSL_DEBUG_FLAGS[name]} instead")
+        value = flag.value
         if isinstance(value, float) and not math.isfinite(value):
             raise UsageError(f"--{name} must be a finite number, got {value}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                check_bounds(name, value, SCRIPT_BOUNDS.get(name) or field_bounds(name))
+            except ConfigError as err:
+                raise UsageError(str(err)) from None
     return rest
 
 

@@ -8,3 +8,9 @@ class MegdiffusionError(Exception):
     """
 
     exit_code = 2
+
+
+def one_line(error):
+    """The text of an exception raised outside megdiffusion (pickle's, PIL's, numpy's), its lines joined into one:
+    what a message embeds after its own words."""
+    return " ".join(str(error).split())

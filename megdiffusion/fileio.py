@@ -10,7 +10,7 @@ import zlib
 
 import numpy as np
 
-from megdiffusion.errors import MegdiffusionError
+from megdiffusion.errors import MegdiffusionError, one_line
 
 
 class OutputError(MegdiffusionError):
@@ -77,21 +77,27 @@ def read_npz(path):
         with data:
             return {name: data[name] for name in data.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
-        raise ValueError(f"cannot read {path} as an npz archive: {exc}") from None
+        raise ValueError(f"cannot read {path} as an npz archive: {one_line(exc)}") from None
 
 
-def check_writable(path, flag, directory=True):
+def check_writable(path, flag, directory=True, overwrite=False):
     """``OutputError`` unless ``path`` (a directory, or with ``directory=False`` a file) can be created or
     written: its nearest existing ancestor must be a directory in which a file can be made (a probe file,
-    removed at once). Names ``flag`` (the option that gave the path) in the message; returns that ancestor."""
+    removed at once), and a file must not exist unless ``overwrite`` (nothing is replaced that the user did not
+    ask to replace). Names ``flag`` (the option that gave the path) in the message; returns that ancestor."""
     if not str(path):
         raise OutputError(f"{flag} is empty; give a path")
+    if not directory and not overwrite and os.path.lexists(path) and not os.path.isdir(path):
+        raise OutputError(f"{flag} {path} exists; give a new path, or --overwrite to replace it")
     full = os.path.abspath(path)
     if os.path.isdir(full) != directory and os.path.exists(full):
         raise OutputError(f"{flag} {path} is {'a file' if directory else 'a directory'}; give "
                           f"{'a directory' if directory else 'a file name'}")
     existing = full if directory else os.path.dirname(full)
     while not os.path.exists(existing):
+        if os.path.islink(existing):  # makedirs would say "File exists"
+            raise OutputError(f"{flag} {path} cannot be made: {existing} is a symbolic link to "
+                              f"{os.readlink(existing)}, which does not exist; create that or choose another {flag}")
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise OutputError(f"{flag} {path} cannot be made: {existing} is a file; choose another {flag}")

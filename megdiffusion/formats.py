@@ -29,8 +29,9 @@ import numpy as np
 from megdiffusion import torch_archive
 from megdiffusion.diffusion.choices import LEARNED_VAR_TYPES
 from megdiffusion.diffusion.schedules import make_beta_schedule
-from megdiffusion.errors import MegdiffusionError
+from megdiffusion.errors import MegdiffusionError, one_line
 from megdiffusion.safetensors_file import is_safetensors, read_safetensors
+from megdiffusion.training.checkpoint import REQUIRED_KEYS, list_checkpoints
 from megdiffusion.training.config import ConfigError, TrainConfig, validate
 
 FORMATS = ("diffusers", "pesser", "pytorch_ddpm", "megengine_port", "improved_diffusion")
@@ -450,7 +451,7 @@ def _read_json(path):
         with open(path) as f:
             value = json.load(f)
     except (OSError, ValueError) as exc:
-        raise ConvertError(f"cannot read {path}: {exc}") from None
+        raise ConvertError(f"cannot read {path}: {one_line(exc)}") from None
     if not isinstance(value, dict):
         raise ConvertError(f"{path} is not a JSON object")
     return value
@@ -495,10 +496,20 @@ def _read_weights(path):
     return torch_archive.load_array_pickle(path), False
 
 
+def _ours(path):
+    """The error for a megdiffusion checkpoint (or a run's logdir) given to convert."""
+    what = ("holds megdiffusion checkpoints, which need" if os.path.isdir(path)
+            else "is a megdiffusion checkpoint: it needs")
+    return ConvertError(f"{path} {what} no conversion; give it as it is to --ckpt (scripts.sample, scripts.fid, "
+                        "scripts.nll) or --init_from (scripts.train)")
+
+
 def read_source(path, ema=False):
     """The checkpoint at ``path`` (a diffusers directory, or a file of any format), format from the content."""
     given = path
     try:
+        if list_checkpoints(path):
+            raise _ours(given)
         if os.path.isdir(path):
             model_dir = path
             if not os.path.isfile(os.path.join(path, "config.json")) and os.path.isdir(os.path.join(path, "unet")):
@@ -514,7 +525,9 @@ def read_source(path, ema=False):
     except torch_archive.WeightsError as err:
         raise ConvertError(str(err)) from None
     except OSError as err:
-        raise ConvertError(f"cannot read {path}: {err}") from None
+        raise ConvertError(f"cannot read {path}: {one_line(err)}") from None
+    if isinstance(obj, dict) and all(key in obj for key in REQUIRED_KEYS):
+        raise _ours(given)
     state, weights = _state_dict(obj, ema, given)
     layout = detect_layout(state, torch_file)
     if format_of(layout) == "diffusers":

@@ -6,7 +6,7 @@ Every image file is read through :func:`open_image`, which gives 8 bits per chan
 import numpy as np
 from PIL import Image
 
-from megdiffusion.errors import MegdiffusionError
+from megdiffusion.errors import MegdiffusionError, one_line
 from megdiffusion.fileio import atomic_write
 
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")  # 16-bit gray, as PIL opens it from PNG and TIFF
@@ -69,7 +69,7 @@ def open_image(path, mode="RGB"):
                                  "convert it to 8 or 16 bits per channel")
             return image.convert(mode) if mode else image.copy()
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise ImageError(f"cannot read image {path}: {exc}; remove or replace it") from None
+        raise ImageError(f"cannot read image {path}: {one_line(exc)}; remove or replace it") from None
 
 
 def read_image(path, mode="RGB"):

@@ -5,9 +5,11 @@ The format: an 8-byte little-endian header length N, N bytes of JSON naming each
 the raw little-endian data.
 """
 import json
+import os
 
 import numpy as np
 
+from megdiffusion.errors import one_line
 from megdiffusion.torch_archive import WeightsError
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
@@ -15,31 +17,30 @@ _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.in
 MAX_HEADER = 100_000_000  # bytes: the limit the safetensors library itself enforces
 
 
-def _header_size(prefix):
-    """The header length a file starting with ``prefix`` declares, or None when it cannot be safetensors."""
-    if len(prefix) < 9 or prefix[8:9] != b"{":
-        return None
-    size = int.from_bytes(prefix[:8], "little")
-    return size if 2 <= size <= MAX_HEADER else None
-
-
 def is_safetensors(path):
-    """Whether ``path`` starts like a safetensors file (a sane header length, then a JSON object)."""
+    """Whether ``path`` starts like a safetensors file: 8 bytes of header length, then a JSON object (``{"`` or
+    ``{}``); ``read_safetensors`` says what is wrong with one whose length is not sane."""
     with open(path, "rb") as f:
-        return _header_size(f.read(9)) is not None
+        return f.read(10)[8:10] in (b'{"', b"{}")
 
 
 def read_safetensors(path):
     """``{name: array}`` of every tensor in the file, in header order; ``WeightsError`` when it is malformed."""
     with open(path, "rb") as f:
-        size = _header_size(f.read(9))
-        if size is None:
-            raise WeightsError(f"{path} is not a safetensors file")
+        prefix = f.read(9)
+        if len(prefix) < 9 or prefix[8:9] != b"{":
+            raise WeightsError(f"{path} is not a safetensors file (no JSON header after its first 8 bytes)")
+        size, available = int.from_bytes(prefix[:8], "little"), os.fstat(f.fileno()).st_size - 8
+        problem = (f"more than the file's {available} bytes after it" if size > available else
+                   f"more than {MAX_HEADER}, the format's limit" if size > MAX_HEADER else
+                   "too short for a JSON object" if size < 2 else None)
+        if problem:
+            raise WeightsError(f"{path}: its safetensors header length, {size}, is {problem}; the file is damaged")
         f.seek(8)
         try:
             header = json.loads(f.read(size))
         except ValueError as exc:
-            raise WeightsError(f"{path}: the safetensors header is not JSON: {exc}") from None
+            raise WeightsError(f"{path}: the safetensors header is not JSON: {one_line(exc)}") from None
         data = f.read()
     if not isinstance(header, dict):
         raise WeightsError(f"{path}: the safetensors header is not a JSON object")

@@ -20,7 +20,7 @@ import zipfile
 
 import numpy as np
 
-from megdiffusion.errors import MegdiffusionError
+from megdiffusion.errors import MegdiffusionError, one_line
 from megdiffusion.fileio import save_npz
 
 
@@ -217,7 +217,7 @@ def load_torch_file(path):
     except WeightsError:
         raise
     except Exception as exc:  # noqa: BLE001 -- truncated or garbled data raises many types
-        raise WeightsError(f"cannot read torch file {path}: {type(exc).__name__}: {exc}") from None
+        raise WeightsError(f"cannot read torch file {path}: {type(exc).__name__}: {one_line(exc)}") from None
     return _resolve(obj)
 
 
@@ -272,9 +272,9 @@ def load_array_pickle(path, encoding="ASCII"):
     except WeightsError:
         raise
     except OSError as exc:
-        raise WeightsError(f"cannot read {path}: {exc}") from None
+        raise WeightsError(f"cannot read {path}: {one_line(exc)}") from None
     except Exception as exc:  # noqa: BLE001 -- garbled data raises many types
-        raise WeightsError(f"{path} is not a pickle of arrays: {type(exc).__name__}: {exc}") from None
+        raise WeightsError(f"{path} is not a pickle of arrays: {type(exc).__name__}: {one_line(exc)}") from None
     return obj
 
 

@@ -81,6 +81,18 @@ def shared(tmp_path_factory, tiny_config, tiny_images):
     (root / "notours" / "thesis.tex").write_text("keep me")
     (root / "afile.txt").write_text("keep me")
     shutil.copy(Path(__file__).parent / "fixtures" / "iddpm" / "unet_small.pt", root / "unet_small.pt")
+
+    # issue 39
+    np.savez(root / "stats_10.npz", mu=np.zeros(10), sigma=np.eye(10))
+    np.savez(root / "five_d.npz", arr_0=np.zeros((2, 2, 8, 8, 1), np.uint8))
+    np.savez(root / "float_images.npz", arr_0=tiny_images(4).astype(np.float32))
+    np.savez(root / "negative_labels.npz", arr_0=tiny_images(16), arr_1=np.arange(16) % 3 - 1)
+    os.symlink("nowhere", root / "dangling")
+    (root / "corrupt_run" / "checkpoints").mkdir(parents=True)
+    shutil.copy(root / "run" / "flags.cfg", root / "corrupt_run" / "flags.cfg")
+    (root / "corrupt_run" / "checkpoints" / "ckpt_0000002.pkl").write_bytes(
+        Path(checkpoint_path(str(root / "run"), 2)).read_bytes()[:100])
+    (root / "huge_header.safetensors").write_bytes((2 ** 62).to_bytes(8, "little") + b'{"w": {}}')
     return root
 
 
@@ -176,6 +188,22 @@ CASES = [
     ("init-a-learned-variance-from-a-fixed-one", "train", [*TRAIN, "--logdir=new", "--init_from=run",
                                                            "--var_type=learned_range"],
      "holds a network with different var_type (--var_type=fixedlarge); set those flags"),
+    ("39:resume-with-another-init-from", "train", ["--flagfile=run/flags.cfg", "--logdir=run", "--resume",
+                                                   "--init_from=mismatch.pkl"],
+     "--resume continues the run in run, which started from scratch; --init_from mismatch.pkl would start another"),
+    ("39:resume-of-a-corrupt-checkpoint-only", "train", ["--flagfile=corrupt_run/flags.cfg", "--logdir=corrupt_run",
+                                                         "--resume"],
+     "none of the 1 checkpoints in corrupt_run/checkpoints loads (the newest: cannot read checkpoint "
+     "corrupt_run/checkpoints/ckpt_0000002.pkl"),
+    ("39:negative-labels", "train", [*TRAIN, "--data_path=negative_labels.npz", "--num_classes=3"],
+     "class label -1 is negative; the labels of a class-conditional run are 0..2: number the dataset's classes"),
+    ("39:seed-over-64-bits", "train", [*TRAIN, "--seed=18446744073709551616"],
+     "--seed must be >= 0 and <= 18446744073709551615, got 18446744073709551616"),
+    ("39:run-with-profiling", "train", [*TRAIN, "--run_with_profiling"],
+     "--run_with_profiling is absl's debugging flag, which megdiffusion does not support; run python -m cProfile"),
+    ("39:profile-file", "train", [*TRAIN, "--profile_file=prof.out"], "--profile_file is absl's debugging flag"),
+    ("39:logdir-dangling-symlink", "train", [*TRAIN, "--logdir=dangling"],
+     "dangling is a symbolic link to nowhere, which does not exist; create that or choose another --logdir"),
     # sample
     ("17:eta-negative", "sample", [*SAMPLE, "--eta=-1"], "eta must be a finite number >= 0"),
     ("17:eta-nan", "sample", [*SAMPLE, "--eta=nan"], "--eta must be a finite number, got nan"),
@@ -219,7 +247,7 @@ CASES = [
     ("trailing-steps-over-T", "sample", [*SAMPLE, "--steps=41", "--spacing=trailing"], "between 1 and T=40"),
     ("steps-over-T", "sample", [*SAMPLE, "--steps=41"], "between 1 and T=40"),
     ("eta-with-ddpm", "sample", [*SAMPLE, "--sampler=ddpm", "--eta=0.5"], "only used by the ddim sampler"),
-    ("zero-images", "sample", [*SAMPLE, "--num_images=0"], "must be positive"),
+    ("zero-images", "sample", [*SAMPLE, "--num_images=0"], "--num_images must be >= 1"),
     ("no-ckpt", "sample", ["--output=out"], "--ckpt and --output are required"),
     ("two-gpus", "sample", [*SAMPLE, "--num_gpus=2"], "--num_gpus 2 needs CUDA GPUs"),
     ("positional", "sample", [*SAMPLE, "extra"], "unexpected arguments"),
@@ -247,6 +275,24 @@ CASES = [
     ("output-of-unguided-images", "sample", [*SAMPLE, "--ckpt={shared}/run", "--output={shared}/samples",
                                              "--guide_ckpt={shared}/run", "--guidance=2"],
      "holds images made with other settings (guidance: None -> 2.0"),
+    ("39:seed-negative", "sample", [*SAMPLE, "--seed=-1"], "--seed must be >= 0 and <= 18446744073709551615, got -1"),
+    ("39:images-beyond-any-machine", "sample", [*SAMPLE, "--num_images=99999999999999999999"],
+     "--num_images must be >= 1 and <= 4294967296, got 99999999999999999999"),
+    ("39:batch-zero", "sample", [*SAMPLE, "--batch_size=0"], "--batch_size must be >= 1, got 0"),
+    ("39:gpus-zero", "sample", [*SAMPLE, "--num_gpus=0"], "--num_gpus must be >= 1, got 0"),
+    ("39:run-with-profiling", "sample", [*SAMPLE, "--run_with_profiling", "--profile_file=prof.out"],
+     "is absl's debugging flag, which megdiffusion does not support; run python -m cProfile -o FILE"),
+    ("39:run-with-pdb", "sample", [*SAMPLE, "--run_with_pdb"],
+     "--run_with_pdb is absl's debugging flag, which megdiffusion does not support; run python -m pdb"),
+    ("39:npz-as-checkpoint", "sample", [*SAMPLE, "--ckpt=data.npz"],
+     "UnpicklingError: A load persistent id instruction was encountered, but no persistent_load function"),
+    ("39:path-with-a-newline", "sample", [*SAMPLE, "--ckpt=a\nb.pkl"], "no checkpoint file at a\\nb.pkl"),
+    ("39:output-dangling-symlink", "sample", [*SAMPLE, "--output=dangling"],
+     "dangling is a symbolic link to nowhere, which does not exist; create that or choose another --output"),
+    ("39:output-under-dangling-symlink", "sample", [*SAMPLE, "--output=dangling/sub"],
+     "--output dangling/sub cannot be made"),
+    ("39:respacing-ddim0", "sample", [*RESPACED, "--respacing=ddim0"], "or 'ddimN', got 'ddim0'"),
+    ("39:respacing-ddim-of-sections", "sample", [*RESPACED, "--respacing=ddim4,4"], "or 'ddimN', got 'ddim4,4'"),
     # fid
     ("17:stats-out-proc", "fid", ["--save_stats", "images", "/proc/s.npz"], "OUT.npz /proc/s.npz cannot be written"),
     ("stats-out-under-file", "fid", ["--save_stats", "images", "afile.txt/s.npz"], "afile.txt is a file"),
@@ -269,6 +315,25 @@ CASES = [
      "--guidance must be a finite number, got nan"),
     ("guide-of-another-recipe", "fid", ["--ckpt=run", "--num_images=2", "--steps=2", "--guide_ckpt=cosine.pkl",
                                         "--guidance=2", "images"], "was trained with different beta_schedule"),
+    ("39:seed-negative", "fid", ["--ckpt=run", "--num_images=2", "--steps=2", "--seed=-1", "images"],
+     "--seed must be >= 0 and <= 18446744073709551615, got -1"),
+    ("39:statistics-of-10-dimensions", "fid", ["stats_10.npz", "stats_10.npz"],
+     "stats_10.npz holds mu float64 (10,) and sigma float64 (10, 10); FID statistics are those of the 2048 "
+     "Inception pool3 features"),
+    # Run after an Inception pass, this case would write the converted weights into HOME, and so fail.
+    ("39:statistics-checked-before-the-images", "fid", ["images", "stats_10.npz"], "stats_10.npz holds mu"),
+    ("39:reference-checked-before-sampling", "fid", ["--ckpt=run", "--num_images=2", "--steps=2", "stats_10.npz"],
+     "stats_10.npz holds mu"),
+    ("39:save-stats-over-a-file", "fid", ["--save_stats", "images", "stats_10.npz"],
+     "OUT.npz stats_10.npz exists; give a new path, or --overwrite to replace it"),
+    ("39:five-d-images", "fid", ["--num_images=2", "five_d.npz", "images"], "five_d.npz: arr_0 must be uint8 NHWC"),
+    ("39:float-images", "fid", ["--num_images=2", "float_images.npz", "images"],
+     "float_images.npz: arr_0 must be uint8 NHWC"),
+    ("39:cifar10-without-directory", "fid", ["cifar10:", "images"], "'cifar10:' names no directory: write cifar10:DIR"),
+    ("39:images-beyond-any-machine", "fid", ["--num_images=99999999999999999999", "images", "images"],
+     "--num_images must be >= 1 and <= 4294967296"),
+    ("39:run-with-profiling", "fid", ["--run_with_profiling", "images", "images"], "is absl's debugging flag"),
+    ("39:one-sample", "fid", ["--ckpt=run", "--num_images=1", "--steps=2", "images"], "FID needs --num_images >= 2"),
     # nll
     ("order-the-solver-lacks", "fid", ["--ckpt=run", "--num_images=2", "--sampler=unipc", "--order=1", "images"],
      "unipc has order 2 or 3, not 1"),
@@ -283,7 +348,9 @@ CASES = [
     ("class-conditional", "nll", ["--ckpt=conditional", "data.npz"],
      "conditional is class-conditional (--num_classes 3); the bound needs each image's class"),
     ("crafted-checkpoint", "nll", ["--ckpt=evil.pkl", "data.npz"], "refusing to load builtins.exec"),
-    ("batch-zero", "nll", ["--ckpt=run", "--batch_size=0", "data.npz"], "must be positive"),
+    ("batch-zero", "nll", ["--ckpt=run", "--batch_size=0", "data.npz"], "--batch_size must be >= 1, got 0"),
+    ("39:seed-negative", "nll", ["--ckpt=run", "--seed=-1", "data.npz"], "--seed must be >= 0"),
+    ("39:cifar10-without-directory", "nll", ["--ckpt=run", "cifar10"], "'cifar10' names no directory"),
     # convert
     ("two-paths-needed", "convert", ["run"], "expected two arguments, SRC OUT; got 1"),
     ("missing-source", "convert", ["nope.pt", "out.pkl"], "no file or directory nope.pt"),
@@ -303,11 +370,19 @@ CASES = [
      "num_timesteps must be an integer >= 2"),
     ("iddpm-named-pesser", "convert", [*IDDPM, "--format=pesser"],
      "unet_small.pt is in the improved_diffusion format, not pesser"),
+    ("39:a-megdiffusion-checkpoint", "convert", ["run/checkpoints/ckpt_0000002.pkl", "out.pkl"],
+     "ckpt_0000002.pkl is a megdiffusion checkpoint: it needs no conversion; give it as it is to --ckpt"),
+    ("39:a-megdiffusion-logdir", "convert", ["run", "out.pkl"],
+     "run holds megdiffusion checkpoints, which need no conversion; give it as it is to --ckpt"),
+    ("39:a-weights-only-checkpoint", "convert", ["mismatch.pkl", "out.pkl"], "is a megdiffusion checkpoint"),
+    ("39:safetensors-header-too-long", "convert", ["huge_header.safetensors", "out.pkl"],
+     "huge_header.safetensors: its safetensors header length, 4611686018427387904, is more than the file's"),
+    ("39:image-size-zero", "convert", [*IDDPM, "--image_size=0", "--num_heads=2"], "--image_size must be >= 1, got 0"),
     # demo
     ("17:minutes-nan", "demo", [*DEMO, "--minutes=nan"], "--minutes must be a finite number, got nan"),
     ("minutes-zero", "demo", [*DEMO, "--minutes=0"], "--minutes must be > 0"),
     ("images-zero", "demo", ["--output=out", "--images=0", "--num_images=2", "--num_reference=2"],
-     "--images must be at least 1, got 0"),
+     "--images must be >= 1, got 0"),
     ("missing-config", "demo", [*DEMO, "--config=nope.cfg"], "Unable to open flagfile"),
     ("steps-over-T", "demo", [*DEMO, "--steps=1001"], "between 1 and T=1000"),
     ("order-the-solver-lacks", "demo", [*DEMO, "--sampler=unipc", "--order=5"], "unipc has order 2 or 3, not 5"),
@@ -317,15 +392,27 @@ CASES = [
     ("output-empty", "demo", [*DEMO, "--output="], "--output is empty; give a path"),
     ("guidance-below-one", "demo", [*DEMO, "--guidance=0.5"], "--guidance=0.5"),
     ("positional", "demo", [*DEMO, "extra"], "unexpected arguments"),
+    ("39:batch-zero", "demo", [*DEMO, "--batch_size=0"], "--batch_size must be >= 1, got 0"),
+    ("39:one-reference-image", "demo", [*DEMO, "--num_reference=1"], "--num_reference must be >= 2"),
+    ("39:one-sample", "demo", [*DEMO, "--num_images=1"], "--num_images must be at least 2"),
+    ("39:output-dangling-symlink", "demo", [*DEMO, "--output=dangling"], "dangling is a symbolic link to nowhere"),
 ]
 
 
 def tree(root):
-    """Every file and directory under ``root``: relative path -> content hash (None for a directory)."""
+    """Every file, directory and symbolic link under ``root``: relative path -> content hash (None for a directory,
+    the target for a link)."""
     found = {}
     for path in sorted(Path(root).rglob("*")):
-        found[str(path.relative_to(root))] = None if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+        found[str(path.relative_to(root))] = (os.readlink(path) if path.is_symlink() else None if path.is_dir()
+                                              else hashlib.sha256(path.read_bytes()).hexdigest())
     return found
+
+
+def shown_lines(stderr):
+    """The non-blank lines a terminal shows of ``stderr``: of a line a progress bar redrew in place (carriage
+    returns), what was written last."""
+    return [line.rpartition("\r")[2] for line in stderr.split("\n") if line.rpartition("\r")[2].strip()]
 
 
 @pytest.mark.parametrize("case, script, args, message", CASES, ids=[f"{c[1]}:{c[0]}" for c in CASES])
@@ -333,7 +420,7 @@ def test_bad_input_is_one_error_line_exit_2_and_changes_no_file(shared, tmp_path
     if "gpus" in case and cuda_driver_loadable():
         pytest.skip("a machine with a CUDA driver may have 2 GPUs")
     workdir = tmp_path / "case"
-    shutil.copytree(shared, workdir, ignore=shutil.ignore_patterns("samples*"))
+    shutil.copytree(shared, workdir, symlinks=True, ignore=shutil.ignore_patterns("samples*"))
     (workdir / "home").mkdir()
     before, shared_before = tree(workdir), tree(shared)
     env = {**os.environ, "HOME": str(workdir / "home"), "PYTHONPATH": str(REPO)}
@@ -341,8 +428,9 @@ def test_bad_input_is_one_error_line_exit_2_and_changes_no_file(shared, tmp_path
     args = [arg.replace("{shared}", str(shared)) for arg in args]
     message = message.replace("{shared}", str(shared))
     result = subprocess.run([sys.executable, "-m", f"megdiffusion.scripts.{script}", *args], cwd=workdir, env=env,
-                            capture_output=True, text=True, timeout=300)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+                            capture_output=True, timeout=300)
+    result.stdout, result.stderr = result.stdout.decode(), result.stderr.decode()  # carriage returns kept
+    lines = shown_lines(result.stderr)
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
     assert "Traceback" not in result.stderr + result.stdout and "ERROR::" not in lines[0]

@@ -39,7 +39,7 @@ def test_the_tiny_config_is_valid(tiny_config):
 
 
 def bounded_fields():
-    return [f for f in dataclasses.fields(TrainConfig) if config.rule(f)]
+    return [f for f in dataclasses.fields(TrainConfig) if config.rule(f.metadata)]
 
 
 def test_every_bound_is_checked_and_inclusive_bounds_pass(tiny_config):
@@ -50,7 +50,7 @@ def test_every_bound_is_checked_and_inclusive_bounds_pass(tiny_config):
         outside = [meta["min"] - step] if "min" in meta else [meta["above"]] if "above" in meta else []
         outside += [meta["max"] + step] if "max" in meta else [meta["below"]] if "below" in meta else []
         for value in outside:
-            with pytest.raises(ConfigError, match=f"^--{f.name} must be {config.rule(f)}, got"):
+            with pytest.raises(ConfigError, match=f"^--{f.name} must be {config.rule(f.metadata)}, got"):
                 config.validate(tiny_config(**{f.name: value}))
         for value in [meta[key] for key in ("min", "max") if key in meta]:
             config.check_field(f, value)

@@ -48,3 +48,22 @@ def test_one_line_errors_print_one_line_and_exit_with_the_error_code(capsys):
     with pytest.raises(KeyError):  # anything else is a bug: its traceback is kept
         with one_line_errors():
             raise KeyError("x")
+
+
+def test_the_error_line_is_one_line_after_the_progress_bars_are_erased(capsys):
+    """A line break in a path is escaped as repr writes it; a bar still drawn is erased first (with carriage returns
+    and blanks: a terminal then shows the error line alone)."""
+    from tqdm import tqdm
+
+    from megdiffusion.cli import error_line, fail
+
+    assert error_line("no checkpoint file at a\nb\t.pkl") == "error: no checkpoint file at a\\nb\\t.pkl"
+    assert error_line(UsageError("--seed must be >= 0, got -1")) == "error: --seed must be >= 0, got -1"
+    bar = tqdm(total=4, desc="inception")
+    bar.update(2)
+    with pytest.raises(SystemExit):
+        fail("cannot read image x.png")
+    shown = capsys.readouterr().err.split("\n")
+    assert [line.rpartition("\r")[2] for line in shown if line.rpartition("\r")[2].strip()] == [
+        "error: cannot read image x.png"]
+    assert "inception" in shown[0]  # the bar was drawn, then erased

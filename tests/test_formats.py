@@ -380,7 +380,11 @@ def test_convert_writes_a_checkpoint_that_samples(tmp_path):
 
     again = _run_script("convert", source, out, *sizes, "--var_type=fixedsmall")
     assert again.returncode == 2 and _errors(again.stderr) == [
-        f"error: {out} exists; give a new path (convert overwrites nothing)"]
+        f"error: OUT {out} exists; give a new path, or --overwrite to replace it"]
+    kept = out.read_bytes()
+    replaced = _run_script("convert", source, out, *sizes, "--var_type=fixedsmall", "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    assert "pytorch_ddpm net_model" in replaced.stdout and out.read_bytes() != kept  # the raw weights now
     sampled = _run_script("sample", f"--ckpt={out}", f"--output={tmp_path / 'samples'}", "--num_images=2",
                           "--sampler=ddim", "--steps=2", "--batch_size=2")
     assert sampled.returncode == 0, sampled.stderr

@@ -150,6 +150,42 @@ def test_fresh_run_refuses_a_logdir_with_checkpoints(tiny_model_flags, tmp_path,
     assert result.returncode == 2 and "pass --resume" in error_lines(result.stderr)[0]
 
 
+def test_a_diverged_run_prints_one_error_line_that_names_where_to_continue(tiny_model_flags, tmp_path, npz_data):
+    """No numpy warnings beside the error; it names the checkpoint to resume from only when one exists."""
+    common = ["--dataset=npz", f"--data_path={npz_data}", *tiny_model_flags, "--batch_size=8", "--sample_every=0",
+              "--lr=1e10", "--grad_clip=0", "--warmup_steps=0", f"--logdir={tmp_path / 'run'}"]
+    for args, where in ((["--total_steps=5"], "no checkpoint had been written yet: train again from the start"),
+                        (["--total_steps=1"], None),
+                        (["--total_steps=5", "--resume"], "resume from the newest checkpoint, "
+                         f"{tmp_path / 'run' / 'checkpoints' / 'ckpt_0000001.pkl'}, with --resume")):
+        result = train(*common, *args)
+        if where is None:  # one step before the loss blows up: it saves the checkpoint the next run resumes from
+            assert result.returncode == 0, result.stderr
+            continue
+        lines = [line.rpartition("\r")[2] for line in error_lines(result.stderr)]
+        assert result.returncode == 1 and "Warning" not in result.stderr, result.stderr
+        assert lines[-1].startswith("error: non-finite loss nan") and lines[-1].endswith(where), result.stderr
+        assert [line for line in lines if "error" in line.lower()] == lines[-1:]
+
+
+def test_resume_continues_a_run_from_init_from_and_refuses_another(tiny_model_flags, tmp_path, npz_data):
+    """The run's flags.cfg names its --init_from, so resuming with it continues; another --init_from conflicts."""
+    first = tmp_path / "first"
+    common = ["--dataset=npz", f"--data_path={npz_data}", *tiny_model_flags, "--batch_size=8", "--sample_every=0"]
+    assert train(*common, "--total_steps=1", f"--logdir={first}").returncode == 0
+    run = tmp_path / "run"
+    assert train(*common, "--total_steps=1", f"--logdir={run}", f"--init_from={first}").returncode == 0
+    resumed = train(f"--flagfile={run / 'flags.cfg'}", "--resume", "--total_steps=2")
+    assert resumed.returncode == 0, resumed.stderr
+    assert [os.path.basename(p) for p in list_checkpoints(str(run))] == ["ckpt_0000001.pkl", "ckpt_0000002.pkl"]
+    other = list_checkpoints(str(first))[0]
+    refused = train(f"--flagfile={run / 'flags.cfg'}", "--resume", "--total_steps=3", f"--init_from={other}")
+    assert refused.returncode == 2 and error_lines(refused.stderr) == [
+        f"error: --resume continues the run in {run}, which started from {first}; --init_from {other} would start "
+        "another: drop --init_from to continue the run, or give a new --logdir to start from it"]
+    assert len(list_checkpoints(str(run))) == 2
+
+
 def test_two_trainings_on_one_logdir_the_second_is_refused(tiny_model_flags, tmp_path, npz_data):
     logdir = tmp_path / "run"
     args = ["--dataset=npz", f"--data_path={npz_data}", *tiny_model_flags, "--batch_size=8", "--total_steps=100000",

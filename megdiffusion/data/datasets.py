@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from megdiffusion.errors import MegdiffusionError
+from megdiffusion.errors import MegdiffusionError, one_line
 from megdiffusion.fileio import read_npz
 from megdiffusion.images import ImageError, open_image
 from megdiffusion.torch_archive import load_array_pickle
@@ -31,7 +31,7 @@ def _read_idx(path):
         with opener(path, "rb") as f:
             data = f.read()
     except (OSError, EOFError) as exc:
-        raise DatasetError(f"cannot read idx file {path}: {exc}") from None
+        raise DatasetError(f"cannot read idx file {path}: {one_line(exc)}") from None
     return data, [int.from_bytes(data[i:i + 4], "big") for i in range(0, 16, 4)]  # 0 past a short file's end
 
 
@@ -106,7 +106,7 @@ def _cifar10_batches(path):
             content = load_array_pickle(batch, encoding="bytes")
             contents.append({key: np.asarray(content[key]) for key in (b"data", b"labels")})
         except Exception as exc:  # noqa: BLE001 - any failure means an unreadable batch
-            raise DatasetError(f"cannot read CIFAR-10 batch {batch}: {exc}") from None
+            raise DatasetError(f"cannot read CIFAR-10 batch {batch}: {one_line(exc)}") from None
     return contents
 
 

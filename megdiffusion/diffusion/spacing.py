@@ -20,14 +20,15 @@ def timestep_subsequence(num_timesteps, steps=None):
     return np.arange(0, num_timesteps, num_timesteps // steps)[:steps]
 
 
-def _counts(spec):
+def _counts(spec, prefix=""):
+    """The step counts of respacing ``prefix + spec``: positive integers, one after "ddim"."""
     try:
         counts = [int(part) for part in spec.split(",")]
     except ValueError:
         counts = []
-    if not counts or min(counts) < 1:
+    if not counts or min(counts) < 1 or (prefix and len(counts) != 1):
         raise ValueError(f"respacing must be 'N', 'a,b,c' (positive step counts per equal section) or 'ddimN', "
-                         f"got {spec!r}")
+                         f"got {prefix + spec!r}")
     return counts
 
 
@@ -41,7 +42,7 @@ def space_timesteps(num_timesteps, spec):
     """
     spec = str(spec).strip()
     if spec.startswith("ddim"):
-        [count] = _counts(spec[len("ddim"):])
+        [count] = _counts(spec[len("ddim"):], "ddim")
         for stride in range(1, num_timesteps):
             if len(range(0, num_timesteps, stride)) == count:
                 return list(range(0, num_timesteps, stride))

@@ -20,6 +20,7 @@ from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import read_npz, save_npz
 
 INPUT_SIZE = 299
+FEATURE_DIM = 2048  # pool3 features: FID statistics are mu (2048,) and sigma (2048, 2048)
 
 
 class FIDError(MegdiffusionError):
@@ -199,9 +200,15 @@ def load_statistics(path):
         raise FIDError(f"{path} has no {' and no '.join(repr(key) for key in missing)} array (it holds: "
                        f"{', '.join(arrays) or 'nothing'}); statistics files hold 'mu' and 'sigma', as "
                        "--save_stats writes them")
-    mu, sigma = arrays["mu"].astype(np.float64), arrays["sigma"].astype(np.float64)
-    if mu.ndim != 1 or sigma.shape != (len(mu), len(mu)):
-        raise FIDError(f"{path}: mu must be (D,) and sigma (D, D), got {mu.shape} and {sigma.shape}")
+    mu, sigma = arrays["mu"], arrays["sigma"]
+    if mu.shape != (FEATURE_DIM,) or sigma.shape != (FEATURE_DIM, FEATURE_DIM) \
+            or not all(np.issubdtype(a.dtype, np.number) for a in (mu, sigma)):
+        raise FIDError(f"{path} holds mu {mu.dtype} {mu.shape} and sigma {sigma.dtype} {sigma.shape}; FID statistics "
+                       f"are those of the {FEATURE_DIM} Inception pool3 features, mu ({FEATURE_DIM},) and sigma "
+                       f"({FEATURE_DIM}, {FEATURE_DIM}), as --save_stats writes them")
+    mu, sigma = mu.astype(np.float64), sigma.astype(np.float64)
+    if not (np.isfinite(mu).all() and np.isfinite(sigma).all()):
+        raise FIDError(f"{path}: its statistics contain NaN or infinity")
     return mu, sigma
 
 
@@ -213,6 +220,9 @@ def images_for_source(spec):
     from megdiffusion.data.datasets import DatasetError, ImageFolder, load_dataset
 
     name, _, path = spec.partition(":")
+    if name == "cifar10" and not path and not os.path.exists(spec):
+        raise FIDError(f"{spec!r} names no directory: write cifar10:DIR, DIR holding the CIFAR-10 python batches "
+                       "(data_batch_1 .. data_batch_5)")
     try:
         if name in ("fashion_mnist", "cifar10") and not os.path.exists(spec):
             return load_dataset(name, path or None)
@@ -236,10 +246,9 @@ def _is_statistics_file(spec):
         return False
 
 
-def statistics_for_source(spec, batch_size=50, num_images=None, progress=False, weights_path=None):
-    """(mu, sigma) for a source spec: a statistics npz (``mu``, ``sigma``) is read as is; anything
-    :func:`images_for_source` accepts is run through the network (its first ``num_images`` images).
-    """
+def open_source(spec, num_images=None):
+    """The source ``spec`` names, checked before any network pass: a statistics npz's ``(mu, sigma)`` (read and
+    checked), or else the images :func:`images_for_source` finds (their first ``num_images``), not yet read."""
     if _is_statistics_file(spec):
         return load_statistics(spec)
     images = images_for_source(spec)
@@ -250,5 +259,19 @@ def statistics_for_source(spec, batch_size=50, num_images=None, progress=False, 
             images = images[:num_images]
         else:
             images.paths = images.paths[:num_images]
-    return statistics_of_images(images, batch_size=batch_size, progress=progress, weights_path=weights_path)
+    return images
+
+
+def statistics_of_source(source, batch_size=50, progress=False, weights_path=None):
+    """(mu, sigma) of what :func:`open_source` returned: statistics as they are, images through the network."""
+    if isinstance(source, tuple):
+        return source
+    return statistics_of_images(source, batch_size=batch_size, progress=progress, weights_path=weights_path)
+
+
+def statistics_for_source(spec, batch_size=50, num_images=None, progress=False, weights_path=None):
+    """(mu, sigma) for a source spec: a statistics npz (``mu``, ``sigma``) is read as is; anything
+    :func:`images_for_source` accepts is run through the network (its first ``num_images`` images).
+    """
+    return statistics_of_source(open_source(spec, num_images), batch_size, progress, weights_path)
 

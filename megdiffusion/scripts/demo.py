@@ -183,10 +183,8 @@ def main(argv):
         if FLAGS.minutes is not None and FLAGS.images is not None:
             raise UsageError("give --minutes or --images, not both (the training budget of this run)")
         minutes = DEFAULT_MINUTES if FLAGS.minutes is None and FLAGS.images is None else FLAGS.minutes
-        if FLAGS.images is not None and FLAGS.images < 1:
-            raise UsageError(f"--images must be at least 1, got {FLAGS.images}")
-        if (minutes is not None and minutes <= 0) or FLAGS.num_images < 2 or FLAGS.num_reference < 2:
-            raise UsageError("--minutes must be > 0, --num_images and --num_reference at least 2")
+        if FLAGS.num_images < 2:  # the flags' bounds are checked when they are parsed (cli.parse_into)
+            raise UsageError(f"--num_images must be at least 2 (a covariance of the samples), got {FLAGS.num_images}")
         # The converted Inception weights are cached under --output too: nothing is written elsewhere.
         os.environ["XDG_CACHE_HOME"] = os.path.abspath(os.path.join(FLAGS.output, "cache"))
         quiet_megengine()

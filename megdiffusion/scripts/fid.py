@@ -21,6 +21,7 @@ from megdiffusion.fileio import check_writable
 
 FLAGS = flags.FLAGS
 flags.DEFINE_boolean("save_stats", False, "Write the statistics of PATH to OUT.npz instead of computing FID.")
+flags.DEFINE_boolean("overwrite", False, "With --save_stats: replace OUT.npz when it exists.")
 flags.DEFINE_integer("batch_size", 50, "Images per Inception forward pass.")
 flags.DEFINE_integer("num_images", None, "Use only the first N images of each image source (default: all).")
 flags.DEFINE_string("inception_weights", None,
@@ -67,10 +68,12 @@ def model_fid(reference_spec):
 def main(argv):
     paths = argv[1:]
     quiet_megengine()
-    from megdiffusion.metrics.fid import frechet_distance, save_statistics
-    from megdiffusion.metrics.inception import FEATURE_DIM
+    from megdiffusion.metrics.fid import (FEATURE_DIM, frechet_distance, open_source, save_statistics,
+                                          statistics_of_source)
 
     with one_line_errors(), megengine_failures("rerun the same command"):
+        if FLAGS.num_images is not None and FLAGS.num_images < 2:  # the flags' bounds: cli.parse_into
+            raise UsageError(f"FID needs --num_images >= 2 (a covariance), got {FLAGS.num_images}")
         if FLAGS.ckpt:
             if len(paths) != 1:
                 raise UsageError(f"with --ckpt give one reference PATH (images or stats npz); got {len(paths)}")
@@ -84,21 +87,22 @@ def main(argv):
         if len(paths) != 2:
             usage = "--save_stats PATH OUT.npz" if FLAGS.save_stats else "PATH_A PATH_B"
             raise UsageError(f"expected two arguments, {usage}; got {len(paths)}")
-        if FLAGS.batch_size < 1 or (FLAGS.num_images is not None and FLAGS.num_images < 2):
-            raise UsageError("--batch_size must be >= 1 and --num_images >= 2")
         if FLAGS.save_stats:
             if not paths[1].endswith(".npz"):
                 raise UsageError(f"the statistics file must end in .npz, got {paths[1]!r}")
-            check_writable(paths[1], "OUT.npz", directory=False)  # before the Inception pass, not after it
+            # before the Inception pass, not after it
+            check_writable(paths[1], "OUT.npz", directory=False, overwrite=FLAGS.overwrite)
             mu, sigma = _statistics(paths[0], FLAGS.num_images)
             save_statistics(paths[1], mu, sigma)
             print(f"wrote {paths[1]} (mu {mu.shape}, sigma {sigma.shape})")
             return
-        if FLAGS.num_images is not None and FLAGS.num_images < FEATURE_DIM:
-            print(f"note: {FLAGS.num_images} < {FEATURE_DIM} images gives a rank-deficient covariance; "
-                  "FID is biased upward (papers use 50,000)", file=sys.stderr)
-        stats_a, stats_b = _statistics(paths[0], FLAGS.num_images), _statistics(paths[1], FLAGS.num_images)
+        sources = [open_source(path, FLAGS.num_images) for path in paths]  # both checked before the Inception pass
+        stats_a, stats_b = (statistics_of_source(source, FLAGS.batch_size, FLAGS.progress, FLAGS.inception_weights)
+                            for source in sources)
         print(f"FID: {frechet_distance(*stats_a, *stats_b):.4f}")
+    if FLAGS.num_images is not None and FLAGS.num_images < FEATURE_DIM:
+        print(f"note: {FLAGS.num_images} < {FEATURE_DIM} images gives a rank-deficient covariance; "
+              "FID is biased upward (papers use 50,000)", file=sys.stderr)
 
 
 def run():

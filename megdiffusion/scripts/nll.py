@@ -56,8 +56,6 @@ def main(argv):
             raise UsageError(f"expected one argument, the images PATH; got {len(argv) - 1}")
         if not FLAGS.ckpt:
             raise UsageError("--ckpt is required (a checkpoint file or a run's logdir)")
-        if FLAGS.batch_size < 1 or (FLAGS.num_images is not None and FLAGS.num_images < 1):
-            raise UsageError("--batch_size and --num_images must be positive")
         model, diffusion, cfg, step = load_model(FLAGS.ckpt, ema=FLAGS.ema)
         if cfg.num_classes:
             raise UsageError(f"{FLAGS.ckpt} is class-conditional (--num_classes {cfg.num_classes}); the bound needs "

@@ -48,8 +48,6 @@ def main(argv):
             megengine_failures("the images written so far are kept: rerun the same command to continue"):
         if not FLAGS.ckpt or not FLAGS.output:
             raise UsageError("--ckpt and --output are required")
-        if FLAGS.num_images < 1 or FLAGS.batch_size < 1 or FLAGS.num_gpus < 1:
-            raise UsageError("--num_images, --batch_size and --num_gpus must be positive")
         job = sampling.SampleJob(FLAGS.ckpt, FLAGS.output, FLAGS.num_images, FLAGS.seed, FLAGS.sampler, FLAGS.steps,
                                  FLAGS.respacing, FLAGS.eta, FLAGS.batch_size, FLAGS.ema, npz=FLAGS.npz,
                                  guide_ckpt=FLAGS.guide_ckpt, guidance=FLAGS.guidance, class_label=FLAGS.class_label,

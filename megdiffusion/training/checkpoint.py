@@ -27,7 +27,7 @@ import sys
 
 import numpy as np
 
-from megdiffusion.errors import MegdiffusionError
+from megdiffusion.errors import MegdiffusionError, one_line
 from megdiffusion.fileio import atomic_write
 from megdiffusion.torch_archive import WeightsError, load_array_pickle
 from megdiffusion.training.draws import SCHEMES
@@ -102,18 +102,26 @@ def load_checkpoint(path):
 def load_latest(logdir, warn=None):
     """The newest checkpoint of ``logdir`` that loads, as ``(checkpoint, path)``, or ``None`` if none exist.
 
-    A newest file that fails to load is reported through ``warn`` (default: a line on stderr) and the
-    previous one is tried. ``CheckpointError`` if checkpoints exist but none loads.
+    A newest file that fails to load is skipped for the previous one, and reported through ``warn`` (default: a
+    line on stderr) once an older one loads. ``CheckpointError`` (naming why the newest failed, nothing else
+    printed) if checkpoints exist but none loads.
     """
     warn = warn or (lambda message: print(message, file=sys.stderr, flush=True))
     paths = list_checkpoints(logdir)
+    skipped = []
     for path in reversed(paths):
         try:
-            return load_checkpoint(path), path
+            found = load_checkpoint(path), path
         except CheckpointError as err:
+            skipped.append(err)
+            continue
+        for err in skipped:
             warn(f"warning: skipping checkpoint: {err}")
+        return found
     if paths:
-        raise CheckpointError(f"none of the {len(paths)} checkpoints in {checkpoint_dir(logdir)} loads")
+        raise CheckpointError(f"none of the {len(paths)} checkpoints in {checkpoint_dir(logdir)} loads (the newest: "
+                              f"{skipped[0]}); move them out of {checkpoint_dir(logdir)} to train that run again "
+                              "from the start, or use another run")
     return None
 
 
@@ -246,4 +254,4 @@ def restore(state, path, trainer, loader):
             trainer.scaler.load_state_dict(state["loss_scale"])  # else a new scale: --amp is turned on here
     except (AssertionError, AttributeError, IndexError, KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path}: its optimizer, step, data position or random-draw scheme is damaged "
-                              f"({type(err).__name__}: {err})") from None
+                              f"({type(err).__name__}: {one_line(err)})") from None

@@ -112,7 +112,8 @@ class TrainConfig:
     ema_decay: float = _flag(0.9999, "Decay of the exponential moving average of the weights.", min=0, below=1)
     ema_warmup: bool = _flag(False, "Warm the EMA up: update n (from 0) decays by min(--ema_decay, "
                              "(1 + n) / (10 + n)), so the early average is not mostly the random initial weights.")
-    seed: int = _flag(0, "Seed of every random choice (data order, flips, timesteps, noise, dropout).", min=0)
+    seed: int = _flag(0, "Seed of every random choice (data order, flips, timesteps, noise, dropout).", min=0,
+                      max=2 ** 64 - 1)  # MegEngine's seeds are 64-bit
     # The step (how the update is computed: not part of the recipe)
     microbatch: int = _flag(0, "Cut each device's batch into micro-batches of this many samples and sum their "
                             "gradients: one update per step, equal to the whole batch's up to float32 rounding, in "
@@ -212,10 +213,24 @@ def to_json(cfg):
     return json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n"
 
 
-def rule(f):
-    """The bounds of a field as text (">= 0 and < 1"), or None when it has none."""
-    parts = [f"{sign} {f.metadata[key]:g}" for key, sign, _ in _BOUNDS if key in f.metadata]
+def rule(bounds):
+    """Bounds (a field's metadata, or a dict with some of the keys ``min``, ``above``, ``max``, ``below``) as text
+    (">= 0 and < 1"), or None when there are none."""
+    parts = [f"{sign} {bounds[key]:{'d' if isinstance(bounds[key], int) else 'g'}}" for key, sign, _ in _BOUNDS
+             if key in bounds]
     return " and ".join(parts) or None
+
+
+def field_bounds(name):
+    """The bounds of the ``TrainConfig`` field ``name`` (its metadata), or {} for a name that is no field: what
+    every script's flag of that name is held to (``cli.parse_into``)."""
+    return next((f.metadata for f in fields(TrainConfig) if f.name == name), {})
+
+
+def check_bounds(name, value, bounds):
+    """``ConfigError`` when the number ``value`` of flag ``--name`` is outside ``bounds`` (see ``rule``)."""
+    if not all(test(value, bounds[key]) for key, _, test in _BOUNDS if key in bounds):
+        raise ConfigError(f"--{name} must be {rule(bounds)}, got {value}")
 
 
 _TYPE_NAMES = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false",
@@ -246,8 +261,7 @@ def check_field(f, value):
     choices = f.metadata.get("choices")
     if choices is not None and value is not None and value not in choices:
         raise ConfigError(f"--{f.name} must be one of {', '.join(choices)}, got {value!r}")
-    if not all(test(value, f.metadata[key]) for key, _, test in _BOUNDS if key in f.metadata):
-        raise ConfigError(f"--{f.name} must be {rule(f)}, got {value}")
+    check_bounds(f.name, value, f.metadata)
 
 
 def validate(cfg):
@@ -326,7 +340,7 @@ def define_flags(flag_values):
     from absl import flags
 
     for f in flag_fields():
-        help_text = f.metadata["help"] + (f" Must be {rule(f)}." if rule(f) else "")
+        help_text = f.metadata["help"] + (f" Must be {rule(f.metadata)}." if rule(f.metadata) else "")
         default = f.default
         if "choices" in f.metadata:
             flags.DEFINE_enum(f.name, default, f.metadata["choices"], help_text, flag_values=flag_values)
@@ -398,7 +412,10 @@ def check_labels(labels, num_images, num_classes):
     """``ConfigError`` (one line) unless there is one label in [0, ``num_classes``) per image."""
     if len(labels) != num_images:
         raise ConfigError(f"the dataset has {num_images} images but {len(labels)} class labels")
-    outside = labels[(labels < 0) | (labels >= num_classes)]
+    if len(labels) and labels.min() < 0:  # no --num_classes fixes that
+        raise ConfigError(f"class label {labels.min()} is negative; the labels of a class-conditional run are "
+                          f"0..{num_classes - 1}: number the dataset's classes from 0")
+    outside = labels[labels >= num_classes]
     if len(outside):
         raise ConfigError(f"class label {outside[0]} is outside 0..{num_classes - 1}; set --num_classes to the "
                           f"number of classes (the labels go up to {labels.max()})")

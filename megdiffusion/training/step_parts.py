@@ -28,9 +28,9 @@ class NonFiniteLossError(MegdiffusionError):
 
     @classmethod
     def at(cls, loss, grad_norm, step, advice="the model was not updated. Try a lower --lr or --grad_clip"):
-        """The error of step ``step`` (0-based) whose loss or gradient norm is not finite, with ``advice``."""
-        return cls(f"non-finite loss {loss} (gradient norm {grad_norm}) at step {step}; {advice}, and resume from "
-                   "the last checkpoint")
+        """The error of step ``step`` (0-based) whose loss or gradient norm is not finite, with ``advice`` (the
+        training loop adds where a rerun starts)."""
+        return cls(f"non-finite loss {loss} (gradient norm {grad_norm}) at step {step}; {advice}")
 
 
 def pieces(batch, microbatch):
@@ -173,8 +173,7 @@ class EngineUpdate:
         if scaler is not None and not finite and scaler.scale * scaler.backoff_factor < LossScaler.MIN_SCALE:
             self.optimizer.clear_grad()
             raise NonFiniteLossError(f"gradients not finite at step {step} with the loss scale at {scaler.scale:g}: "
-                                     "they overflow float16 unscaled; train without --amp, or with a lower --lr, "
-                                     "from the last checkpoint")
+                                     "they overflow float16 unscaled; train without --amp, or with a lower --lr")
         applied = scaler is None or scaler.update(finite)
         if applied:
             self.optimizer.step()

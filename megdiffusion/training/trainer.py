@@ -137,6 +137,7 @@ class Trainer:
         return draw_step(self.draw_scheme, self.cfg, self.diffusion.num_timesteps,
                          self.step_count if step is None else step, shape, labels, self.rank, self.first_index)
 
+    @np.errstate(over="ignore", invalid="ignore", divide="ignore")  # a non-finite loss is one error, not warnings
     def step(self, x0, labels=None):
         """One update on this rank's batch ``x0`` (float32 NCHW in [-1, 1]), with its class ``labels`` (int, (N,))
         for a class-conditional network (with ``class_dropout``, each is replaced by ``NO_CLASS`` with that
@@ -198,9 +199,19 @@ def check_logdir(cfg):
     latest = ckpt.load_latest(cfg.logdir) if cfg.resume else None
     if latest is not None:
         ckpt.check_recipe(*latest, cfg)
+        started_from = latest[0]["config"].get("init_from")
+        if cfg.init_from and not same_path(cfg.init_from, started_from):
+            raise ConfigError(f"--resume continues the run in {cfg.logdir}, which started from "
+                              f"{started_from or 'scratch'}; --init_from {cfg.init_from} would start another: drop "
+                              "--init_from to continue the run, or give a new --logdir to start from it")
     elif cfg.init_from:
         ckpt.load_init(cfg)
     return latest
+
+
+def same_path(a, b):
+    """Whether path ``a`` and ``b`` (None: no path) name the same file or directory."""
+    return b is not None and (a == b or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)))
 
 
 class TrainingInterrupted(MegdiffusionError):
@@ -296,6 +307,11 @@ class TrainingRun:
                 metrics = self.trainer.step(*self.loader.next_batch())
                 metrics["images_per_s"] = cfg.batch_size / (time.perf_counter() - start)
                 self.maintenance(metrics)
+            except NonFiniteLossError as error:
+                kept = ckpt.list_checkpoints(cfg.logdir)
+                restart = (f"resume from the newest checkpoint, {kept[-1]}, with --resume" if kept else
+                           "no checkpoint had been written yet: train again from the start")
+                raise NonFiniteLossError(f"{error}; {restart}") from None
             except RuntimeError as error:
                 if not is_megengine_error(error):
                     raise
