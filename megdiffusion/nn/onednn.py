@@ -30,7 +30,8 @@ GROUP = 4  # samples per primitive execution (the unit of determinism)
 _F32 = 3
 _TAG_ANY, _TAG_A, _TAG_NCHW = 1, 2, 5  # dnnl_format_tag_t: any, a (1-D), nchw (= oihw)
 _TAG_NHWC = b"acdb"  # by name (dnnl_memory_desc_create_with_string_tag): dims n, c, h, w stored as n, h, w, c
-_FORWARD_TRAINING, _CONVOLUTION_DIRECT = 64, 1
+_FORWARD_TRAINING, _FORWARD_INFERENCE, _CONVOLUTION_DIRECT = 64, 96, 1
+_ELTWISE_RELU = 0x20  # dnnl_alg_kind_t in oneDNN 3 (0x1f in 1.x)
 _SCRATCHPAD_MODE_USER = 1
 _QUERY_SCRATCHPAD_MD = 136
 _QUERY = {"src": 129, "diff_src": 130, "weights": 131, "diff_weights": 132, "dst": 133, "diff_dst": 134}
@@ -51,6 +52,9 @@ _SIGNATURES = {
     "dnnl_stream_wait": [_ptr],
     "dnnl_primitive_attr_create": [ctypes.POINTER(_ptr)],
     "dnnl_primitive_attr_set_scratchpad_mode": [_ptr, ctypes.c_int],
+    "dnnl_primitive_attr_set_post_ops": [_ptr, _ptr],
+    "dnnl_post_ops_create": [ctypes.POINTER(_ptr)],
+    "dnnl_post_ops_append_eltwise": [_ptr, ctypes.c_int, ctypes.c_float, ctypes.c_float],
     "dnnl_memory_desc_create_with_tag": [ctypes.POINTER(_ptr), ctypes.c_int, _Dims, ctypes.c_int, ctypes.c_int],
     "dnnl_memory_desc_create_with_string_tag": [ctypes.POINTER(_ptr), ctypes.c_int, _Dims, ctypes.c_int,
                                                 ctypes.c_char_p],
@@ -367,3 +371,69 @@ def conv2d_backward(x, weight, dy, stride, padding, bias, run_groups, group=GROU
     # A sum over the leading axis adds the rows one after the other, as nn.conv sums per-sample products.
     return dx, dws.sum(axis=0), dbs.sum(axis=0) if bias else None
 
+
+
+def _relu_attr():
+    """Primitive attributes with a user-managed scratchpad and a ReLU applied to the output (a post-op)."""
+    attr, post_ops = _ptr(), _ptr()
+    _call("dnnl_primitive_attr_create", ctypes.byref(attr))
+    _call("dnnl_primitive_attr_set_scratchpad_mode", attr, _SCRATCHPAD_MODE_USER)
+    _call("dnnl_post_ops_create", ctypes.byref(post_ops))
+    _call("dnnl_post_ops_append_eltwise", post_ops, _ELTWISE_RELU, 0.0, 0.0)
+    _call("dnnl_primitive_attr_set_post_ops", attr, post_ops)
+    return attr
+
+
+class InferenceConv:
+    """relu(conv2d(x, weight) + bias) for inference (no gradients), on NHWC float32 activations as they are.
+
+    ``weight`` OIHW, ``bias`` (O,). The primitive of each input shape is created once (on the first thread that
+    meets it, planned for one OpenMP thread) with the weights reordered once into the layout it prefers; calls
+    may come from several threads at once, each running on its own stream.
+    """
+
+    def __init__(self, weight, bias, stride, padding):
+        self.weight = np.ascontiguousarray(weight, np.float32)
+        self.bias = np.ascontiguousarray(bias, np.float32)
+        self.stride, self.padding = tuple(stride), tuple(padding)
+        self._plans = {}
+
+    def _plan(self, shape):
+        with _plans_lock:
+            plan = self._plans.get(shape)
+            if plan is None:
+                plan = self._plans[shape] = self._create(shape)
+        return plan
+
+    def _create(self, shape):
+        global _relu
+        n, h, w, c = shape
+        o, _, kh, kw = self.weight.shape
+        out_hw = tuple((size + 2 * p - k) // s + 1 for size, k, s, p in zip((h, w), (kh, kw), self.stride,
+                                                                            self.padding))
+        x_desc, y_desc = _desc((n, c, h, w), _TAG_NHWC), _desc((n, o) + out_hw, _TAG_NHWC)
+        b_desc = _desc((o,), _TAG_A)
+        right = [_right_padding(size, k, s, p, out) for size, k, s, p, out in
+                 zip((h, w), (kh, kw), self.stride, self.padding, out_hw)]
+        if _relu is None:
+            _relu = _relu_attr()
+        _stream()  # primitives are planned for the OpenMP setting of the thread that creates them
+        desc = _ptr()
+        _call("dnnl_convolution_forward_primitive_desc_create", ctypes.byref(desc), _state.engine, _FORWARD_INFERENCE,
+              _CONVOLUTION_DIRECT, x_desc, _desc(self.weight.shape, _TAG_ANY), b_desc, y_desc, _Dims(*self.stride),
+              _Dims(0, 0), _Dims(*self.padding), _Dims(*right), _relu)
+        primitive = _Primitive(desc)
+        w_desc = primitive.query(_QUERY["weights"])
+        weights = _Reorder(_desc(self.weight.shape, _TAG_NCHW), w_desc)(self.weight)
+        args = {ARG_WEIGHTS: (w_desc, weights), ARG_BIAS: (b_desc, self.bias)}
+        return primitive, x_desc, y_desc, (n,) + out_hw + (o,), args
+
+    def __call__(self, x):
+        """The NHWC output for the C-contiguous NHWC float32 array ``x``."""
+        primitive, x_desc, y_desc, y_shape, args = self._plan(x.shape)
+        y = np.empty(y_shape, np.float32)
+        primitive({**args, ARG_SRC: (x_desc, x), ARG_DST: (y_desc, y)})
+        return y
+
+
+_relu = None
