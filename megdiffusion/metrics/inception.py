@@ -10,10 +10,13 @@ stride 1, padding 1, not counting the padding; the pool tower of ``mixed_10`` is
 layer is an 8x8 average pool. Input: float32 NCHW RGB 299x299 in (x_uint8 - 128) / 128 (see
 ``megdiffusion.metrics.fid.preprocess``); output: pool3 features (N, 2048).
 
-Two interchangeable convolution routes compute ``conv + batch norm + ReLU``: MegEngine's ``conv2d``
-(``fast_cpu=False``), and on CPU by default im2col and one numpy matrix product per batch chunk over
-NHWC arrays, the chunks on one thread per core, several times faster than MegEngine's CPU kernels.
-Both are tested against the TorchScript original.
+Two routes compute the same features. ``fast_cpu=False`` runs MegEngine's operators on NCHW tensors (the route for
+GPUs). The CPU route runs numpy NHWC arrays with each ``conv + batch norm + ReLU`` as one oneDNN inference
+convolution (``megdiffusion.nn.onednn.InferenceConv``: batch norm folded into the weights and bias, ReLU as a
+post-op, activations used as they are), or im2col and one numpy matrix product where oneDNN does not load. It
+takes the batch through the whole network in fixed groups of ``GROUP`` images, one group per batch thread at a
+time, so the features do not depend on the number of threads. All routes are tested against the TorchScript
+original.
 """
 import functools
 import importlib.util

@@ -14,6 +14,9 @@ Memory layouts: weights are OIHW, activations NCHW, or NHWC with ``channels_last
 ``nn.numpy_unet``). For NCHW the primitives are created with layout "any" (oneDNN picks its blocked formats) and
 reorders convert in and out; NHWC activations are used as they are (no reorders: measured 1.0 against 1.8 ms for
 a 16->16 channel 3x3 convolution's forward and backward at 28x28, batch 8, and no slower on the UNet's other shapes).
+
+``InferenceConv`` is the forward alone (oneDNN's inference primitive, with a ReLU post-op) on NHWC activations, for
+the FID Inception's CPU route.
 """
 import ctypes
 import os
