@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 
 from megdiffusion.errors import MegdiffusionError
 
@@ -104,13 +105,20 @@ def idle_event_polling():
     """
     if cuda_driver_loadable() or not hasattr(os, "SCHED_IDLE"):
         return
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as comm:
-                if comm.read().strip() == "CompNodeSync":
-                    os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
-        except OSError:  # the thread ended meanwhile, or the system refuses: leave it as it is
-            continue
+    # The thread names itself once it runs, which on a loaded machine can come after the first op returns.
+    deadline = time.monotonic() + 1.0
+    while True:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as comm:
+                    if comm.read().strip() == "CompNodeSync":
+                        os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+                        return
+            except OSError:  # the thread ended meanwhile, or the system refuses: leave it as it is
+                continue
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.001)
 
 
 def keep_fastrun_cache_in_memory():
