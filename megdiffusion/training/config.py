@@ -105,7 +105,8 @@ class TrainConfig:
                                     "improved-diffusion's models do.")
     # Optimisation
     lr: float = _flag(2e-4, "Adam learning rate after warmup.", above=0)
-    warmup_steps: int = _flag(5000, "Steps of linear learning-rate warmup from 0.", min=0)
+    warmup_steps: int = _flag(5000, "Steps of linear learning-rate warmup: step n (from 0) "
+                              "uses --lr * (n + 1) / warmup_steps; 0: the full rate from the first step.", min=0)
     batch_size: int = _flag(128, "Global batch size, split evenly across all ranks.", min=1)
     total_steps: int = _flag(800000, "Number of optimizer steps.", min=1)
     grad_clip: float = _flag(1.0, "Clip the global gradient norm to this value; 0 disables.", min=0)
