@@ -7,14 +7,15 @@ METRICS = ("fid", "kid", "pr")
 FEATURE_NETWORK = "Inception-v3 pool3"  # the features of every metric here
 
 
-def parse_metrics(text):
-    """The metric names of a comma-separated list such as "fid,kid" ("all": every one), in ``METRICS`` order."""
+def parse_metrics(text, flag="--metrics"):
+    """The metric names of a comma-separated list such as "fid,kid" ("all": every one), in ``METRICS`` order; the
+    error names ``flag``."""
     names = {name.strip() for name in text.split(",")}
     if names == {"all"}:
         return METRICS
     unknown = sorted(names - set(METRICS))
     if unknown:
-        raise FIDError(f"unknown metric {', '.join(map(repr, unknown))} in --metrics {text!r}; choose from "
+        raise FIDError(f"unknown metric {', '.join(map(repr, unknown))} in {flag} {text!r}; choose from "
                        f"{', '.join(METRICS)} or all")
     return tuple(name for name in METRICS if name in names)
 
