@@ -79,7 +79,8 @@ def model_scores(reference_spec, metrics):
     check_sampler(diffusion, FLAGS.sampler, steps, FLAGS.eta, FLAGS.respacing, FLAGS.spacing, FLAGS.order)
     guidance, _ = load_guidance(FLAGS.guide_ckpt, FLAGS.guidance, cfg, FLAGS.ema, FLAGS.guide_unconditional)
     source = open_source(reference_spec, need_features=needs_features(metrics))
-    check_sizes(metrics, FLAGS.num_images, _set_size(source), FLAGS.kid_subset_size)
+    if needs_features(metrics):
+        check_sizes(metrics, FLAGS.num_images, _set_size(source), FLAGS.kid_subset_size)
     reference = _statistics(source, needs_features(metrics))
     scores, _ = score(model, diffusion, cfg.image_shape, reference, FLAGS.num_images, FLAGS.seed, FLAGS.sampler,
                       steps, FLAGS.eta, FLAGS.batch_size, FLAGS.progress, FLAGS.respacing, guidance, FLAGS.spacing,
@@ -124,7 +125,8 @@ def main(argv):
             return
         # both checked before the Inception pass
         sources = [open_source(path, FLAGS.num_images, needs_features(metrics)) for path in paths]
-        check_sizes(metrics, *map(_set_size, sources), FLAGS.kid_subset_size)
+        if needs_features(metrics):
+            check_sizes(metrics, *map(_set_size, sources), FLAGS.kid_subset_size)
         generated, real = (_statistics(source, needs_features(metrics)) for source in sources)
         for line in score_lines(compare(generated, real, metrics, FLAGS.kid_subsets, FLAGS.kid_subset_size,
                                         FLAGS.kid_seed)):
