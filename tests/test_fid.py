@@ -274,3 +274,20 @@ def test_cli_save_stats_and_bad_input(tmp_path):
     assert broken.returncode == 2 and "inception" in broken.stderr, broken.stderr
     assert shown == [f"error: cannot read image {tmp_path / 'folder' / '3.png'}: image file is truncated; remove or "
                      "replace it"]
+
+
+def test_cli_scores_kid_and_precision_recall_of_statistics_files_with_features(tmp_path):
+    from megdiffusion.metrics import scores
+
+    rng = np.random.default_rng(12)
+    generated = fid.statistics_of_features(rng.normal(0.5, 0.3, (30, 2048)).astype(np.float32), keep=True)
+    real = fid.statistics_of_features(rng.normal(0.6, 0.3, (25, 2048)).astype(np.float32), keep=True)
+    fid.save_statistics(str(tmp_path / "generated.npz"), generated)
+    fid.save_statistics(str(tmp_path / "real.npz"), real)
+    result = _run_cli("--metrics=all", "--kid_subsets=7", str(tmp_path / "generated.npz"), str(tmp_path / "real.npz"))
+    assert result.returncode == 0, result.stderr
+    expected = scores.score_lines(scores.compare(generated, real, scores.METRICS, kid_subsets=7))
+    assert result.stdout.splitlines() == expected and "subsets of 25" in expected[1]
+    sized = _run_cli("--metrics=kid", "--kid_subsets=7", "--kid_subset_size=10", "--kid_seed=3",
+                     str(tmp_path / "generated.npz"), str(tmp_path / "real.npz"))
+    assert sized.stdout.splitlines() == scores.score_lines(scores.compare(generated, real, ("kid",), 7, 10, 3))
