@@ -312,7 +312,7 @@ CASES = [
     ("damaged-npz", "fid", ["broken.npz", "fashion_mnist"], "cannot read broken.npz as an npz archive"),
     ("missing-source", "fid", ["nope", "fashion_mnist"], "'nope' is not a directory of images"),
     ("empty-folder", "fid", ["empty", "fashion_mnist"], "no images"),
-    ("three-paths", "fid", ["a", "b", "c"], "expected two arguments, PATH_A PATH_B; got 3"),
+    ("three-paths", "fid", ["a", "b", "c"], "expected two arguments, GENERATED REAL; got 3"),
     ("one-image", "fid", ["--num_images=1", "images", "images"], "--num_images >= 2"),
     ("batch-zero", "fid", ["--batch_size=0", "images", "images"], "--batch_size must be >= 1"),
     ("ckpt-without-count", "fid", ["--ckpt=run", "images"], "--ckpt needs --num_images"),
