@@ -49,7 +49,8 @@ def measure(run_dir, sampler, spacing, calls, guided, num_images=500, batch_size
     samples = generate_images(model, diffusion, cfg.image_shape, range(num_images), cfg.seed, sampler, steps,
                               batch_size=batch_size, guidance=guide, spacing=None if spacing == "default" else spacing)
     sampled = time.perf_counter()
-    value = fid.frechet_distance(*fid.statistics_of_images(samples), *reference)
+    generated = fid.statistics_of_images(samples)
+    value = fid.frechet_distance(generated.mu, generated.sigma, reference.mu, reference.sigma)
     return {"fid": round(float(value), 2), "steps": steps, "train_step": int(step), "seed": cfg.seed,
             "sample_seconds": round(sampled - started, 1), "inception_seconds": round(time.perf_counter() - sampled, 1)}
 

@@ -27,7 +27,8 @@ MAX_IMAGES = 2 ** 32
 # Bounds of the scripts' flags that are not ``TrainConfig`` fields (a flag named like a field takes the field's
 # bounds, ``config.field_bounds``), checked for every script when its flags are parsed (``parse_into``).
 SCRIPT_BOUNDS = {"num_images": {"min": 1, "max": MAX_IMAGES}, "num_reference": {"min": 2, "max": MAX_IMAGES},
-                 "images": {"min": 1}, "minutes": {"above": 0}}
+                 "images": {"min": 1}, "minutes": {"above": 0}, "kid_subsets": {"min": 1},
+                 "kid_subset_size": {"min": 2}, "kid_seed": {"min": 0, "max": 2 ** 32 - 1}}  # numpy's RandomState
 
 
 def error_line(message):

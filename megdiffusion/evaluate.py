@@ -1,7 +1,7 @@
-"""Scoring a model: FID (sample with per-image seeds, then compare Inception statistics) and the negative
-log-likelihood bound in bits per dimension.
+"""Scoring a model: FID, KID and precision/recall (sample with per-image seeds, then compare Inception features)
+and the negative log-likelihood bound in bits per dimension.
 
-FID is used by the train script (``--fid_every``), ``scripts/fid.py --ckpt`` and the demo, so all three
+The metrics are used by the train script (``--fid_every``), ``scripts/fid.py --ckpt`` and the demo, so all three
 measure the same way; the NLL by ``scripts/nll.py``.
 """
 import os
@@ -11,23 +11,34 @@ import numpy as np
 from megdiffusion.generation import generate_images, image_seed
 from megdiffusion.images import to_float
 from megdiffusion.metrics import fid
+from megdiffusion.metrics.kid_pr import KID_SEED, KID_SUBSETS
+from megdiffusion.metrics.scores import check_sizes, compare, needs_features
 
 
-def reference_statistics(images, cache_path=None, batch_size=50, progress=False):
-    """(mu, sigma) of the real ``images`` (uint8 NHWC), computed once and cached at ``cache_path``."""
+def reference_statistics(images, cache_path=None, batch_size=50, progress=False, keep_features=False):
+    """:class:`fid.Statistics` of the real ``images`` (uint8 NHWC), computed once and cached at ``cache_path`` (again
+    when ``keep_features`` and the cache has none)."""
     if cache_path and os.path.isfile(cache_path):
-        return fid.load_statistics(cache_path)
-    mu, sigma = fid.statistics_of_images(images, batch_size=batch_size, progress=progress)
+        stats = fid.load_statistics(cache_path)
+        if stats.features is not None or not keep_features:
+            return stats
+    stats = fid.statistics_of_images(images, batch_size=batch_size, progress=progress, keep_features=keep_features)
     if cache_path:
-        fid.save_statistics(cache_path, mu, sigma)
-    return mu, sigma
+        fid.save_statistics(cache_path, stats)
+    return stats
 
 
-def model_fid(model, diffusion, image_shape, reference, num_images, seed=0, sampler="ddim", steps=50,
-              eta=0.0, batch_size=64, progress=False, respacing=None, guidance=None, spacing=None, order=None):
-    """FID of ``num_images`` samples of ``model`` (with ``guidance``, a ``generation.Autoguidance``, or None)
-    against ``reference`` = (mu, sigma); returns ``(fid, samples)`` with the samples as uint8 NHWC. Image i uses
-    the seed of (seed, i)."""
+def model_scores(model, diffusion, image_shape, reference, num_images, seed=0, sampler="ddim", steps=50, eta=0.0,
+                 batch_size=64, progress=False, respacing=None, guidance=None, spacing=None, order=None,
+                 metrics=("fid",), kid_subsets=KID_SUBSETS, kid_subset_size=None, kid_seed=KID_SEED):
+    """``metrics`` (``scores.compare``) of ``num_images`` samples of ``model`` (with ``guidance``, a
+    ``generation.Autoguidance``, or None) against ``reference``, a :class:`fid.Statistics` (with features for KID and
+    precision/recall); returns ``(scores, samples)`` with the samples as uint8 NHWC. Image i uses the seed of
+    (seed, i). The sizes are checked before sampling."""
+    if needs_features(metrics) and reference.features is None:
+        raise fid.FIDError("the reference holds only mu and sigma; KID and precision/recall need its features")
+    check_sizes(metrics, num_images, len(reference.features) if needs_features(metrics) else num_images,
+                kid_subset_size)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -38,8 +49,8 @@ def model_fid(model, diffusion, image_shape, reference, num_images, seed=0, samp
                               order=order)
     if bar is not None:
         bar.close()
-    mu, sigma = fid.statistics_of_images(samples, progress=progress)
-    return fid.frechet_distance(mu, sigma, *reference), samples
+    generated = fid.statistics_of_images(samples, progress=progress, keep_features=needs_features(metrics))
+    return compare(generated, reference, metrics, kid_subsets, kid_subset_size, kid_seed), samples
 
 
 def bits_per_dim(model, diffusion, images, seed=0, batch_size=50, progress=None):

@@ -93,6 +93,11 @@ def shared(tmp_path_factory, tiny_config, tiny_images):
     (root / "corrupt_run" / "checkpoints" / "ckpt_0000002.pkl").write_bytes(
         Path(checkpoint_path(str(root / "run"), 2)).read_bytes()[:100])
     (root / "huge_header.safetensors").write_bytes((2 ** 62).to_bytes(8, "little") + b'{"w": {}}')
+
+    # issue 36 (compressed: an identity sigma of 2048 x 2048 is 32 MB)
+    np.savez_compressed(root / "stats_plain.npz", mu=np.zeros(2048), sigma=np.eye(2048))
+    np.savez_compressed(root / "one_feature.npz", mu=np.zeros(2048), sigma=np.eye(2048),
+                        features=np.zeros((1, 2048), np.float32))
     return root
 
 
@@ -102,7 +107,7 @@ TRAIN = ["--dataset=npz", "--data_path=data.npz", "--model_channels=32", "--chan
 SAMPLE = ["--ckpt=run", "--output=out", "--num_images=2", "--batch_size=2", "--sampler=ddim", "--steps=2"]
 RESPACED = [arg for arg in SAMPLE if arg != "--steps=2"]
 IDDPM = ["unet_small.pt", "out.pkl"]
-DEMO = ["--output=out", "--minutes=0.01", "--num_images=2", "--num_reference=2", "--steps=2"]
+DEMO = ["--output=out", "--minutes=0.01", "--num_images=4", "--num_reference=4", "--steps=2"]
 
 # (id, script, arguments, what the error line says). Later flags override earlier ones; {shared} is the shared
 # directory (its samples' manifests name the shared run). Ids marked "17:" are the cases issue 17 reported broken.
@@ -197,6 +202,10 @@ CASES = [
      "corrupt_run/checkpoints/ckpt_0000002.pkl"),
     ("39:negative-labels", "train", [*TRAIN, "--data_path=negative_labels.npz", "--num_classes=3"],
      "class label -1 is negative; the labels of a class-conditional run are 0..2: number the dataset's classes"),
+    ("36:unknown-fid-metric", "train", [*TRAIN, "--fid_metrics=kid,is"],
+     "unknown metric 'is' in --fid_metrics 'kid,is'; choose from fid, kid, pr or all"),
+    ("36:precision-recall-of-two-samples", "train", [*TRAIN, "--fid_metrics=pr", "--fid_num_images=2"],
+     "precision/recall need at least 4 images in each set"),
     ("39:seed-over-64-bits", "train", [*TRAIN, "--seed=18446744073709551616"],
      "--seed must be >= 0 and <= 18446744073709551615, got 18446744073709551616"),
     ("39:run-with-profiling", "train", [*TRAIN, "--run_with_profiling"],
@@ -303,7 +312,7 @@ CASES = [
     ("damaged-npz", "fid", ["broken.npz", "fashion_mnist"], "cannot read broken.npz as an npz archive"),
     ("missing-source", "fid", ["nope", "fashion_mnist"], "'nope' is not a directory of images"),
     ("empty-folder", "fid", ["empty", "fashion_mnist"], "no images"),
-    ("three-paths", "fid", ["a", "b", "c"], "expected two arguments, PATH_A PATH_B; got 3"),
+    ("three-paths", "fid", ["a", "b", "c"], "expected two arguments, GENERATED REAL; got 3"),
     ("one-image", "fid", ["--num_images=1", "images", "images"], "--num_images >= 2"),
     ("batch-zero", "fid", ["--batch_size=0", "images", "images"], "--batch_size must be >= 1"),
     ("ckpt-without-count", "fid", ["--ckpt=run", "images"], "--ckpt needs --num_images"),
@@ -334,6 +343,27 @@ CASES = [
      "--num_images must be >= 1 and <= 4294967296"),
     ("39:run-with-profiling", "fid", ["--run_with_profiling", "images", "images"], "is absl's debugging flag"),
     ("39:one-sample", "fid", ["--ckpt=run", "--num_images=1", "--steps=2", "images"], "FID needs --num_images >= 2"),
+    ("36:unknown-metric", "fid", ["--metrics=fid,kd", "images", "images"],
+     "unknown metric 'kd' in --metrics 'fid,kd'; choose from fid, kid, pr or all"),
+    ("36:kid-of-one-image", "fid", ["--metrics=kid", "one_feature.npz", "images"],
+     "KID needs at least 2 images in each set, got 1 generated and 3 real"),
+    ("36:kid-subset-above-the-set", "fid", ["--metrics=kid", "--kid_subset_size=4", "images", "images"],
+     "the KID subset size (--kid_subset_size) must be between 2 and the smaller set's 3 images (3 generated, 3 real)"),
+    ("36:kid-subset-of-one", "fid", ["--metrics=kid", "--kid_subset_size=1", "images", "images"],
+     "--kid_subset_size must be >= 2, got 1"),
+    ("36:kid-no-subsets", "fid", ["--metrics=kid", "--kid_subsets=0", "images", "images"],
+     "--kid_subsets must be >= 1, got 0"),
+    ("36:precision-recall-of-three-images", "fid", ["--metrics=pr", "images", "images"],
+     "precision/recall need at least 4 images in each set (k=3 nearest neighbours), got 3 generated and 3 real"),
+    ("36:precision-recall-of-three-samples", "fid", ["--ckpt=run", "--num_images=3", "--steps=2", "--metrics=all",
+                                                     "data.npz"], "precision/recall need at least 4 images"),
+    ("36:statistics-without-features", "fid", ["--metrics=fid,pr", "images", "stats_plain.npz"],
+     "stats_plain.npz holds only mu and sigma; KID and precision/recall need the features: make it with --save_stats "
+     "--save_features"),
+    ("36:reference-without-features", "fid", ["--ckpt=run", "--num_images=4", "--steps=2", "--metrics=kid",
+                                              "stats_plain.npz"], "stats_plain.npz holds only mu and sigma"),
+    ("36:features-without-save-stats", "fid", ["--save_features", "images", "images"],
+     "--save_features keeps the features in the file --save_stats writes; add --save_stats"),
     # nll
     ("order-the-solver-lacks", "fid", ["--ckpt=run", "--num_images=2", "--sampler=unipc", "--order=1", "images"],
      "unipc has order 2 or 3, not 1"),
@@ -394,7 +424,9 @@ CASES = [
     ("positional", "demo", [*DEMO, "extra"], "unexpected arguments"),
     ("39:batch-zero", "demo", [*DEMO, "--batch_size=0"], "--batch_size must be >= 1, got 0"),
     ("39:one-reference-image", "demo", [*DEMO, "--num_reference=1"], "--num_reference must be >= 2"),
-    ("39:one-sample", "demo", [*DEMO, "--num_images=1"], "--num_images must be at least 2"),
+    ("39:one-sample", "demo", [*DEMO, "--num_images=1"], "--num_images and --num_reference must be at least 4 "
+     "(precision/recall's k=3 nearest neighbours), got 1 and 4"),
+    ("36:three-reference-images", "demo", [*DEMO, "--num_reference=3"], "must be at least 4"),
     ("39:output-dangling-symlink", "demo", [*DEMO, "--output=dangling"], "dangling is a symbolic link to nowhere"),
 ]
 

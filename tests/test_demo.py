@@ -41,6 +41,16 @@ def test_demo_trains_samples_scores_and_resumes(tmp_path):
     assert summary["verdict"] == "still far from the data; train longer with --resume"
     assert (f"FID {summary['fid']:.2f} (real-data floor {summary['fid_floor']:.1f} in this protocol): still far from "
             "the data; train longer with --resume") in first.stdout
+    # KID and precision/recall beside their floors, on 4 samples: subsets of 4, precision and recall in quarters
+    assert summary["kid_subset_size"] == 4 and summary["kid_subsets"] == 100
+    assert summary["kid"] > summary["kid_floor"] and summary["kid_std"] >= 0
+    for name in ("precision", "recall", "precision_floor", "recall_floor"):
+        assert summary[name] in (0, 0.25, 0.5, 0.75, 1)
+    assert (f"demo: KID {summary['kid'] * 1e3:.2f} ± {summary['kid_std'] * 1e3:.2f} x 1e-3 (floor "
+            f"{summary['kid_floor'] * 1e3:.2f} ± {summary['kid_std_floor'] * 1e3:.2f}), precision "
+            f"{summary['precision']:.2f} (floor {summary['precision_floor']:.2f}), recall {summary['recall']:.2f} "
+            f"(floor {summary['recall_floor']:.2f}); Inception-v3 pool3 features, KID on 100 subsets of 4, "
+            "precision/recall with k=3") in first.stdout
     assert sorted(os.listdir(output / "reference")) == ["fashion_mnist_first6.npz", "fashion_mnist_last4.npz"]
     samples = np.load(output / "samples.npz")["arr_0"]
     assert samples.shape == (4, 28, 28, 1) and samples.dtype == np.uint8

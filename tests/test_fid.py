@@ -134,12 +134,13 @@ def test_fid_rejects_mismatched_statistics():
 def test_statistics_file_round_trip_and_format(tmp_path):
     mu, sigma = _random_stats(np.random.default_rng(8), 2048, 20)
     path = tmp_path / "sub" / "stats.npz"
-    fid.save_statistics(str(path), mu.astype(np.float32), sigma)
+    fid.save_statistics(str(path), fid.Statistics(mu.astype(np.float32), sigma))
     with np.load(path) as npz:  # the pytorch-fid / TTUR layout
         assert sorted(npz.files) == ["mu", "sigma"] and npz["mu"].dtype == np.float64
     loaded = fid.load_statistics(str(path))
-    np.testing.assert_array_equal(loaded[0], mu.astype(np.float32).astype(np.float64))
-    np.testing.assert_array_equal(loaded[1], sigma)
+    np.testing.assert_array_equal(loaded.mu, mu.astype(np.float32).astype(np.float64))
+    np.testing.assert_array_equal(loaded.sigma, sigma)
+    assert loaded.features is None
     assert [p.name for p in path.parent.iterdir()] == ["stats.npz"]
     np.savez(tmp_path / "bad.npz", mean=mu)
     with pytest.raises(fid.FIDError, match=r"no 'mu' and no 'sigma' array \(it holds: mean\)"):
@@ -152,6 +153,30 @@ def test_statistics_file_round_trip_and_format(tmp_path):
         np.savez(tmp_path / "bad.npz", mu=bad_mu, sigma=bad_sigma)
         with pytest.raises(fid.FIDError, match="bad.npz.*" + message):
             fid.load_statistics(str(tmp_path / "bad.npz"))
+    for features, message in ((np.zeros((3, 64)), r"features float64 \(3, 64\); they must be the \(N, 2048\)"),
+                              (np.full((3, 2048), np.inf), "contain NaN or infinity")):
+        np.savez(tmp_path / "bad.npz", mu=mu, sigma=sigma, features=features)
+        with pytest.raises(fid.FIDError, match="bad.npz.*" + message):
+            fid.load_statistics(str(tmp_path / "bad.npz"))
+
+
+def test_features_round_trip_through_the_statistics_file(tmp_path):
+    features = np.random.default_rng(11).normal(0.5, 0.3, (30, 2048)).astype(np.float32)
+    stats = fid.statistics_of_features(features, keep=True)
+    np.testing.assert_allclose(stats.mu, features.astype(np.float64).mean(axis=0), rtol=1e-12)
+    np.testing.assert_allclose(stats.sigma, np.cov(features.astype(np.float64), rowvar=False), rtol=1e-9, atol=1e-12)
+    fid.save_statistics(str(tmp_path / "stats.npz"), stats)
+    loaded = fid.load_statistics(str(tmp_path / "stats.npz"))
+    assert loaded.features.dtype == np.float32
+    np.testing.assert_array_equal(loaded.features, features)
+    np.testing.assert_array_equal(loaded.sigma, stats.sigma)
+    assert fid.statistics_of_features(features).features is None
+    # a file with mu and sigma only serves FID, and says what KID and precision/recall need
+    fid.save_statistics(str(tmp_path / "plain.npz"), fid.Statistics(stats.mu, stats.sigma))
+    assert fid.open_source(str(tmp_path / "plain.npz")).features is None
+    with pytest.raises(fid.FIDError, match="holds only mu and sigma; KID and precision/recall need the features: "
+                                           "make it with --save_stats --save_features"):
+        fid.open_source(str(tmp_path / "plain.npz"), need_features=True)
 
 
 def test_bad_sources_are_reported(tmp_path):
@@ -176,12 +201,15 @@ def test_real_images_give_same_statistics_from_every_source(tmp_path, monkeypatc
     for i, image in enumerate(images):
         save_png(str(tmp_path / "pngs" / f"{i // 3}" / f"{i:02d}.png"), image[..., 0])
         Image.fromarray(image[..., 0]).save(tmp_path / "webps" / f"{i:02d}.webp", lossless=True)
-    mu, sigma = fid.statistics_for_source("fashion_mnist", batch_size=4, num_images=6)
+    stats = fid.statistics_for_source("fashion_mnist", batch_size=4, num_images=6, keep_features=True)
+    mu, sigma = stats.mu, stats.sigma
     assert mu.shape == (2048,) and sigma.shape == (2048, 2048) and np.all(mu >= 0) and mu.max() > 0.1
+    assert stats.features.shape == (6, 2048) and stats.features.dtype == np.float32
+    np.testing.assert_allclose(mu, stats.features.astype(np.float64).mean(axis=0), rtol=1e-12)
     for source in (str(tmp_path / "images.npz"), str(tmp_path / "pngs"), str(tmp_path / "webps")):
-        other_mu, other_sigma = fid.statistics_for_source(source, batch_size=4)
-        np.testing.assert_allclose(other_mu, mu, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(other_sigma, sigma, rtol=1e-4, atol=1e-6)
+        other = fid.statistics_for_source(source, batch_size=4)
+        np.testing.assert_allclose(other.mu, mu, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(other.sigma, sigma, rtol=1e-4, atol=1e-6)
 
 
 # --- command line -----------------------------------------------------------------------------------
@@ -198,8 +226,8 @@ def _run_cli(*args, env_extra=None):
 def test_cli_prints_fid_of_statistics_files(tmp_path):
     rng = np.random.default_rng(9)
     a, b = _random_stats(rng, 2048, 30), _random_stats(rng, 2048, 30)
-    fid.save_statistics(str(tmp_path / "a.npz"), *a)
-    fid.save_statistics(str(tmp_path / "b.npz"), *b)
+    fid.save_statistics(str(tmp_path / "a.npz"), fid.Statistics(*a))
+    fid.save_statistics(str(tmp_path / "b.npz"), fid.Statistics(*b))
     result = _run_cli(str(tmp_path / "a.npz"), str(tmp_path / "b.npz"))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"FID: {fid.frechet_distance(*a, *b):.4f}"
@@ -211,9 +239,8 @@ def test_cli_save_stats_and_bad_input(tmp_path):
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
     result = _run_cli("--save_stats", str(tmp_path / "images.npz"), str(tmp_path / "out.npz"), env_extra=env)
     assert result.returncode == 0, result.stderr
-    mu, sigma = fid.load_statistics(str(tmp_path / "out.npz"))
-    expected_mu, expected_sigma = fid.statistics_of_images(images)
-    np.testing.assert_allclose(mu, expected_mu, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(fid.load_statistics(str(tmp_path / "out.npz")).mu, fid.statistics_of_images(images).mu,
+                               rtol=1e-5, atol=1e-6)
     bad = _run_cli(str(tmp_path / "nothing_here"), "fashion_mnist", env_extra=env)
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip().splitlines() == [
@@ -234,8 +261,8 @@ def test_cli_save_stats_and_bad_input(tmp_path):
                         str(tmp_path / "out.npz"), env_extra=env)
     assert replaced.returncode == 0, replaced.stderr
     assert (tmp_path / "out.npz").read_bytes() != kept
-    np.testing.assert_allclose(fid.load_statistics(str(tmp_path / "out.npz"))[0],
-                               fid.statistics_of_images(images[:2])[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(fid.load_statistics(str(tmp_path / "out.npz")).mu,
+                               fid.statistics_of_images(images[:2]).mu, rtol=1e-5, atol=1e-6)
 
     # An image that cannot be read, met during the Inception pass: the bar is erased, then the one error line.
     (tmp_path / "folder").mkdir()
@@ -247,3 +274,20 @@ def test_cli_save_stats_and_bad_input(tmp_path):
     assert broken.returncode == 2 and "inception" in broken.stderr, broken.stderr
     assert shown == [f"error: cannot read image {tmp_path / 'folder' / '3.png'}: image file is truncated; remove or "
                      "replace it"]
+
+
+def test_cli_scores_kid_and_precision_recall_of_statistics_files_with_features(tmp_path):
+    from megdiffusion.metrics import scores
+
+    rng = np.random.default_rng(12)
+    generated = fid.statistics_of_features(rng.normal(0.5, 0.3, (30, 2048)).astype(np.float32), keep=True)
+    real = fid.statistics_of_features(rng.normal(0.6, 0.3, (25, 2048)).astype(np.float32), keep=True)
+    fid.save_statistics(str(tmp_path / "generated.npz"), generated)
+    fid.save_statistics(str(tmp_path / "real.npz"), real)
+    result = _run_cli("--metrics=all", "--kid_subsets=7", str(tmp_path / "generated.npz"), str(tmp_path / "real.npz"))
+    assert result.returncode == 0, result.stderr
+    expected = scores.score_lines(scores.compare(generated, real, scores.METRICS, kid_subsets=7))
+    assert result.stdout.splitlines() == expected and "subsets of 25" in expected[1]
+    sized = _run_cli("--metrics=kid", "--kid_subsets=7", "--kid_subset_size=10", "--kid_seed=3",
+                     str(tmp_path / "generated.npz"), str(tmp_path / "real.npz"))
+    assert sized.stdout.splitlines() == scores.score_lines(scores.compare(generated, real, ("kid",), 7, 10, 3))

@@ -6,13 +6,16 @@ Protocol (see the README's "FID"):
   ``align_corners=False`` semantics and no antialiasing (pytorch-fid's ``F.interpolate``), done on the
   float image before scaling; then (x - 128) / 128 (:func:`preprocess`);
 - statistics: mu and sigma of the 2048-d features, in float64, saved as npz with keys ``mu`` and ``sigma``
-  (readable by pytorch-fid and TTUR, and able to read theirs);
+  (readable by pytorch-fid and TTUR, and able to read theirs), and on request the features themselves (``features``,
+  float32 (N, 2048)), which KID and precision/recall (``megdiffusion.metrics.kid_pr``) need;
 - distance: |mu1 - mu2|^2 + tr S1 + tr S2 - 2 tr sqrt(S1 S2), with the last trace taken from the
   eigenvalues of the symmetric PSD matrix sqrt(S1) S2 sqrt(S1) (no ``scipy.linalg.sqrtm``).
 """
+import dataclasses
 import functools
 import os
 import zipfile
+from typing import Optional
 
 import numpy as np
 
@@ -24,7 +27,8 @@ FEATURE_DIM = 2048  # pool3 features: FID statistics are mu (2048,) and sigma (2
 
 
 class FIDError(MegdiffusionError):
-    """Bad FID input (images, statistics files, sources); the message is one line saying what to fix."""
+    """Bad input to the metrics (images, features, statistics files, sources); the message is one line saying what
+    to fix."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -131,8 +135,8 @@ def _batch(images, start, stop):
     return np.concatenate([preprocess(item[None]) for item in items])
 
 
-def statistics_of_images(images, batch_size=50, progress=False, weights_path=None):
-    """(mu, sigma) in float64 of the pool3 features of ``images``.
+def features_of_images(images, batch_size=50, progress=False, weights_path=None):
+    """The (N, 2048) float32 pool3 features of ``images``.
 
     ``images``: uint8 NHWC array, or a sequence of uint8 HWC images (e.g. ``datasets.ImageFolder``), read
     batch by batch. ``progress`` shows a tqdm bar with images/s on stderr.
@@ -140,7 +144,7 @@ def statistics_of_images(images, batch_size=50, progress=False, weights_path=Non
     if batch_size < 1:
         raise FIDError(f"batch_size must be >= 1, got {batch_size}")
     network = get_inception(weights_path)
-    stats = FeatureStatistics()
+    features = np.empty((len(images), FEATURE_DIM), np.float32)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -148,12 +152,33 @@ def statistics_of_images(images, batch_size=50, progress=False, weights_path=Non
         bar = tqdm(total=len(images), unit="img", desc="inception", dynamic_ncols=True)
     for start in range(0, len(images), batch_size):
         stop = min(start + batch_size, len(images))
-        stats.update(network(_batch(images, start, stop)))
+        features[start:stop] = network(_batch(images, start, stop))
         if bar is not None:
             bar.update(stop - start)
     if bar is not None:
         bar.close()
-    return stats.finalize()
+    return features
+
+
+@dataclasses.dataclass(frozen=True)
+class Statistics:
+    """A set's mu and sigma (float64) and, when kept, its features (float32 (N, d))."""
+    mu: np.ndarray
+    sigma: np.ndarray
+    features: Optional[np.ndarray] = None
+
+
+def statistics_of_features(features, keep=False):
+    """:class:`Statistics` of (N, d) features (accumulated 1000 rows at a time), keeping them when ``keep``."""
+    stats = FeatureStatistics()
+    for start in range(0, len(features), 1000):
+        stats.update(features[start:start + 1000])
+    return Statistics(*stats.finalize(), np.asarray(features, np.float32) if keep else None)
+
+
+def statistics_of_images(images, batch_size=50, progress=False, weights_path=None, keep_features=False):
+    """:class:`Statistics` of the pool3 features of ``images`` (see :func:`features_of_images`)."""
+    return statistics_of_features(features_of_images(images, batch_size, progress, weights_path), keep_features)
 
 
 def frechet_distance(mu1, sigma1, mu2, sigma2):
@@ -184,13 +209,18 @@ def frechet_distance(mu1, sigma1, mu2, sigma2):
 # ---------------------------------------------------------------------------------------------------
 # Statistics files and sources.
 
-def save_statistics(path, mu, sigma):
-    """Write ``mu`` and ``sigma`` (float64) to an npz file atomically (pytorch-fid / TTUR format)."""
-    save_npz(path, mu=np.asarray(mu, np.float64), sigma=np.asarray(sigma, np.float64))
+def save_statistics(path, stats):
+    """Write ``stats`` to an npz file atomically: ``mu`` and ``sigma`` in float64 (pytorch-fid / TTUR format), and
+    ``features`` in float32 when it holds them."""
+    arrays = dict(mu=np.asarray(stats.mu, np.float64), sigma=np.asarray(stats.sigma, np.float64))
+    if stats.features is not None:
+        arrays["features"] = np.asarray(stats.features, np.float32)
+    save_npz(path, **arrays)
 
 
 def load_statistics(path):
-    """(mu, sigma) as float64 from an npz with keys ``mu`` and ``sigma``; :class:`FIDError` otherwise."""
+    """:class:`Statistics` from an npz with keys ``mu`` and ``sigma`` (float64) and optionally ``features``
+    (float32); :class:`FIDError` otherwise."""
     try:
         arrays = read_npz(path)
     except ValueError as exc:
@@ -206,10 +236,16 @@ def load_statistics(path):
         raise FIDError(f"{path} holds mu {mu.dtype} {mu.shape} and sigma {sigma.dtype} {sigma.shape}; FID statistics "
                        f"are those of the {FEATURE_DIM} Inception pool3 features, mu ({FEATURE_DIM},) and sigma "
                        f"({FEATURE_DIM}, {FEATURE_DIM}), as --save_stats writes them")
-    mu, sigma = mu.astype(np.float64), sigma.astype(np.float64)
-    if not (np.isfinite(mu).all() and np.isfinite(sigma).all()):
+    features = arrays.get("features")
+    if features is not None and (features.ndim != 2 or features.shape[1] != FEATURE_DIM
+                                 or not np.issubdtype(features.dtype, np.number)):
+        raise FIDError(f"{path} holds features {features.dtype} {features.shape}; they must be the (N, {FEATURE_DIM}) "
+                       "Inception pool3 features, as --save_stats --save_features writes them")
+    stats = Statistics(mu.astype(np.float64), sigma.astype(np.float64),
+                       None if features is None else features.astype(np.float32))
+    if not all(np.isfinite(a).all() for a in (stats.mu, stats.sigma, stats.features) if a is not None):
         raise FIDError(f"{path}: its statistics contain NaN or infinity")
-    return mu, sigma
+    return stats
 
 
 def images_for_source(spec):
@@ -246,11 +282,16 @@ def _is_statistics_file(spec):
         return False
 
 
-def open_source(spec, num_images=None):
-    """The source ``spec`` names, checked before any network pass: a statistics npz's ``(mu, sigma)`` (read and
-    checked), or else the images :func:`images_for_source` finds (their first ``num_images``), not yet read."""
+def open_source(spec, num_images=None, need_features=False):
+    """The source ``spec`` names, checked before any network pass: a statistics npz's :class:`Statistics` (read and
+    checked; with ``need_features`` it must hold features), or else the images :func:`images_for_source` finds
+    (their first ``num_images``), not yet read."""
     if _is_statistics_file(spec):
-        return load_statistics(spec)
+        stats = load_statistics(spec)
+        if need_features and stats.features is None:
+            raise FIDError(f"{spec} holds only mu and sigma; KID and precision/recall need the features: make it with "
+                           "--save_stats --save_features")
+        return stats
     images = images_for_source(spec)
     if num_images is not None:
         if num_images > len(images):
@@ -262,16 +303,17 @@ def open_source(spec, num_images=None):
     return images
 
 
-def statistics_of_source(source, batch_size=50, progress=False, weights_path=None):
-    """(mu, sigma) of what :func:`open_source` returned: statistics as they are, images through the network."""
-    if isinstance(source, tuple):
+def statistics_of_source(source, batch_size=50, progress=False, weights_path=None, keep_features=False):
+    """:class:`Statistics` of what :func:`open_source` returned: statistics as they are, images through the
+    network."""
+    if isinstance(source, Statistics):
         return source
-    return statistics_of_images(source, batch_size=batch_size, progress=progress, weights_path=weights_path)
+    return statistics_of_images(source, batch_size, progress, weights_path, keep_features)
 
 
-def statistics_for_source(spec, batch_size=50, num_images=None, progress=False, weights_path=None):
-    """(mu, sigma) for a source spec: a statistics npz (``mu``, ``sigma``) is read as is; anything
-    :func:`images_for_source` accepts is run through the network (its first ``num_images`` images).
-    """
-    return statistics_of_source(open_source(spec, num_images), batch_size, progress, weights_path)
-
+def statistics_for_source(spec, batch_size=50, num_images=None, progress=False, weights_path=None,
+                          keep_features=False):
+    """:class:`Statistics` for a source spec: a statistics npz is read as is; anything :func:`images_for_source`
+    accepts is run through the network (its first ``num_images`` images)."""
+    return statistics_of_source(open_source(spec, num_images, keep_features), batch_size, progress, weights_path,
+                                keep_features)

@@ -1,7 +1,7 @@
 """The demo: train the CPU recipe on the embedded Fashion-MNIST for a time budget, sample with the EMA
 model guided by its own state 40% of the way through the training (autoguidance, ``generation.Autoguidance``), save
-sample and real grids, and score FID against the embedded data, beside the real-data floor of the same protocol
-(the FID of the split's last --num_images real images against the same reference) and a verdict.
+sample and real grids, and score FID, KID and precision/recall against the embedded data, each beside the real-data
+floor of the same protocol (the split's last --num_images real images against the same reference), and a verdict.
 
     python -m megdiffusion.scripts.demo [--minutes 10 | --images 45000] [--output runs/demo] [--resume]
 
@@ -27,6 +27,8 @@ from megdiffusion.diffusion.choices import SAMPLERS
 from megdiffusion.diffusion.solvers import sampler_label
 from megdiffusion.training.config import CPU_RECIPE
 from megdiffusion.fileio import copy_file, output_directory, save_npz, write_text
+from megdiffusion.metrics.kid_pr import NEIGHBOURS
+from megdiffusion.metrics.scores import FEATURE_NETWORK
 
 FLAGS = flags.FLAGS
 DEFAULT_MINUTES = 10.0
@@ -99,8 +101,8 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
     (guided by the model ``GUIDE_FRACTION`` of the way through the training when ``guidance`` > 1), draw grids
     and score; returns the summary dict (also written to summary.json)."""
     from megdiffusion.cli import UsageError
-    from megdiffusion.evaluate import model_fid, reference_statistics
-    from megdiffusion.metrics.fid import frechet_distance
+    from megdiffusion.evaluate import model_scores, reference_statistics
+    from megdiffusion.metrics.scores import METRICS, compare
     from megdiffusion.generation import Autoguidance
     from megdiffusion.images import make_grid, save_png
     from megdiffusion.sampling import check_sampler, load_model
@@ -151,11 +153,13 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
             guide = Autoguidance(guide_model, guidance, unconditional=cfg.class_dropout > 0)
         cache = os.path.join(output, "reference", "fashion_mnist_{}{}.npz")
         reference = reference_statistics(images[:num_reference], cache.format("first", num_reference), batch_size,
-                                         progress=True)
-        real = reference_statistics(images[-num_images:], cache.format("last", num_images), batch_size, progress=True)
-        floor = float(frechet_distance(*real, *reference))
-        fid, samples = model_fid(model, diffusion, cfg.image_shape, reference, num_images, cfg.seed, sampler, steps,
-                                 batch_size=batch_size, progress=True, guidance=guide, spacing=spacing, order=order)
+                                         progress=True, keep_features=True)
+        real = reference_statistics(images[-num_images:], cache.format("last", num_images), batch_size, progress=True,
+                                    keep_features=True)
+        floor = compare(real, reference, METRICS)
+        scores, samples = model_scores(model, diffusion, cfg.image_shape, reference, num_images, cfg.seed, sampler,
+                                       steps, batch_size=batch_size, progress=True, guidance=guide, spacing=spacing,
+                                       order=order, metrics=METRICS)
         columns = cfg.num_classes or 8  # a class-conditional model: a column per class (image i: class i mod n)
         save_png(os.path.join(output, "samples.png"), make_grid(samples[:64 // columns * columns], nrow=columns))
         save_png(os.path.join(output, "real.png"), make_grid(images[:64], nrow=8))
@@ -163,8 +167,12 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
         summary = {"steps": int(step), "steps_this_run": int(step - start_step),
                    "train_minutes": round(train_seconds / 60, 2),
                    "train_images_per_s": round((step - start_step) * cfg.batch_size / train_seconds, 1),
-                   "fid": round(float(fid), 2), "fid_num_images": num_images,
-                   "fid_floor": round(floor, 2), "verdict": verdict(float(fid), floor),
+                   "fid": round(scores["fid"], 2), "fid_num_images": num_images,
+                   "fid_floor": round(floor["fid"], 2), "verdict": verdict(scores["fid"], floor["fid"]),
+                   **{f"{name}{suffix}": round(values[name], 6) for name in ("kid", "kid_std", "precision", "recall",
+                                                                              "f_score")
+                      for suffix, values in (("", scores), ("_floor", floor))},
+                   "kid_subsets": scores["kid_subsets"], "kid_subset_size": scores["kid_subset_size"],
                    "fid_reference": f"the first {num_reference} embedded Fashion-MNIST images",
                    "sampler": sampler_label(sampler, steps, spacing=spacing, order=order), "guidance": guidance,
                    "guide_step": guide_step,
@@ -183,8 +191,9 @@ def main(argv):
         if FLAGS.minutes is not None and FLAGS.images is not None:
             raise UsageError("give --minutes or --images, not both (the training budget of this run)")
         minutes = DEFAULT_MINUTES if FLAGS.minutes is None and FLAGS.images is None else FLAGS.minutes
-        if FLAGS.num_images < 2:  # the flags' bounds are checked when they are parsed (cli.parse_into)
-            raise UsageError(f"--num_images must be at least 2 (a covariance of the samples), got {FLAGS.num_images}")
+        if min(FLAGS.num_images, FLAGS.num_reference) < 4:  # the flags' bounds: cli.parse_into
+            raise UsageError("--num_images and --num_reference must be at least 4 (precision/recall's k=3 nearest "
+                             f"neighbours), got {FLAGS.num_images} and {FLAGS.num_reference}")
         # The converted Inception weights are cached under --output too: nothing is written elsewhere.
         os.environ["XDG_CACHE_HOME"] = os.path.abspath(os.path.join(FLAGS.output, "cache"))
         quiet_megengine()
@@ -197,6 +206,10 @@ def main(argv):
     print(f"\ndemo: {s['steps']} training steps ({s['steps_this_run']} in this run, {s['train_minutes']} min, "
           f"{s['train_images_per_s']} images/s)\n"
           f"demo: FID {s['fid']:.2f} (real-data floor {s['fid_floor']:.1f} in this protocol): {s['verdict']}\n"
+          f"demo: KID {s['kid'] * 1e3:.2f} ± {s['kid_std'] * 1e3:.2f} x 1e-3 (floor {s['kid_floor'] * 1e3:.2f} ± "
+          f"{s['kid_std_floor'] * 1e3:.2f}), precision {s['precision']:.2f} (floor {s['precision_floor']:.2f}), "
+          f"recall {s['recall']:.2f} (floor {s['recall_floor']:.2f}); {FEATURE_NETWORK} features, KID on "
+          f"{s['kid_subsets']} subsets of {s['kid_subset_size']}, precision/recall with k={NEIGHBOURS}\n"
           f"demo: the protocol: {s['fid_num_images']} EMA samples ({s['sampler']}{guided}) vs "
           f"{s['fid_reference']}; the floor scores the split's last {s['fid_num_images']} real images the same way\n"
           f"demo: samples {s['samples_grid']}  real images {s['real_grid']}  summary "

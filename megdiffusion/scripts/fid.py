@@ -1,11 +1,13 @@
-"""FID between two image sources: ``python -m megdiffusion.scripts.fid PATH_A PATH_B``.
+"""FID (and with ``--metrics`` KID, precision/recall) between two image sources:
+``python -m megdiffusion.scripts.fid GENERATED REAL [--metrics fid,kid,pr]``.
 
 Each PATH is a directory of images (recursive; ``datasets.IMAGE_EXTENSIONS``), an npz of uint8 NHWC images
-(``arr_0``), a statistics npz (``mu``, ``sigma``), ``fashion_mnist`` (the embedded test split) or
-``cifar10:DIR`` (CIFAR-10 python batches, train split). ``--save_stats PATH OUT.npz`` writes the statistics
-of PATH instead. ``--ckpt LOGDIR_OR_FILE --num_images N [--sampler ddim --steps 50] PATH`` samples N images
-from a trained model (EMA weights) and scores them against PATH; ``--guide_ckpt EARLIER --guidance 2.5``
-guides them with a weaker model (autoguidance). Protocol: see ``megdiffusion.metrics.fid``.
+(``arr_0``), a statistics npz (``mu``, ``sigma``, and ``features`` for KID and precision/recall), ``fashion_mnist``
+(the embedded test split) or ``cifar10:DIR`` (CIFAR-10 python batches, train split). ``--save_stats PATH OUT.npz``
+writes the statistics of PATH instead (``--save_features``: with its features). ``--ckpt LOGDIR_OR_FILE
+--num_images N [--sampler ddim --steps 50] REAL`` samples N images from a trained model (EMA weights) and scores
+them against REAL; ``--guide_ckpt EARLIER --guidance 2.5`` guides them with a weaker model (autoguidance).
+Protocol: see ``megdiffusion.metrics.fid`` and ``megdiffusion.metrics.kid_pr``.
 Bad input: one line on stderr, exit code 2.
 """
 import sys
@@ -18,10 +20,21 @@ from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import SAMPLERS
 from megdiffusion.diffusion.solvers import sampler_label
 from megdiffusion.fileio import check_writable
+from megdiffusion.metrics.kid_pr import KID_SEED, KID_SUBSET_SIZE, KID_SUBSETS
+from megdiffusion.metrics.scores import check_sizes, compare, needs_features, parse_metrics, score_lines
 
 FLAGS = flags.FLAGS
 flags.DEFINE_boolean("save_stats", False, "Write the statistics of PATH to OUT.npz instead of computing FID.")
+flags.DEFINE_boolean("save_features", False, "With --save_stats: keep the pool3 features too (float32, 8 KB an "
+                     "image: 400 MB for 50,000), which KID and precision/recall need.")
 flags.DEFINE_boolean("overwrite", False, "With --save_stats: replace OUT.npz when it exists.")
+flags.DEFINE_string("metrics", "fid", "Comma-separated metrics: fid, kid (Kernel Inception Distance), pr (precision, "
+                    "recall and F-score, k=3), or all; all on Inception-v3 pool3 features, the first PATH generated, "
+                    "the second real.")
+flags.DEFINE_integer("kid_subsets", KID_SUBSETS, "KID: the number of subsets, whose mean and std KID reports.")
+flags.DEFINE_integer("kid_subset_size", None, f"KID: images per subset (default {KID_SUBSET_SIZE}, capped at the "
+                     "smaller set).")
+flags.DEFINE_integer("kid_seed", KID_SEED, "KID: the seed of the subsets' draw (torch-fidelity's default).")
 flags.DEFINE_integer("batch_size", 50, "Images per Inception forward pass.")
 flags.DEFINE_integer("num_images", None, "Use only the first N images of each image source (default: all).")
 flags.DEFINE_string("inception_weights", None,
@@ -40,16 +53,23 @@ define_solver_flags()
 define_guidance_flags()
 
 
-def _statistics(spec, num_images=None):
-    from megdiffusion.metrics.fid import statistics_for_source
+def _statistics(source, keep_features):
+    from megdiffusion.metrics.fid import statistics_of_source
 
-    return statistics_for_source(spec, batch_size=FLAGS.batch_size, num_images=num_images,
-                                 progress=FLAGS.progress, weights_path=FLAGS.inception_weights)
+    return statistics_of_source(source, FLAGS.batch_size, FLAGS.progress, FLAGS.inception_weights, keep_features)
 
 
-def model_fid(reference_spec):
-    """FID of --num_images samples of the --ckpt model against all of ``reference_spec``."""
-    from megdiffusion.evaluate import model_fid as score
+def _set_size(source):
+    """How many images an opened source stands for (a statistics file: its features)."""
+    from megdiffusion.metrics.fid import Statistics
+
+    return len(source.features) if isinstance(source, Statistics) else len(source)
+
+
+def model_scores(reference_spec, metrics):
+    """``metrics`` of --num_images samples of the --ckpt model against all of ``reference_spec``."""
+    from megdiffusion.evaluate import model_scores as score
+    from megdiffusion.metrics.fid import open_source
     from megdiffusion.sampling import check_sampler, load_guidance, load_model
 
     if not FLAGS.num_images:
@@ -58,49 +78,60 @@ def model_fid(reference_spec):
     steps = FLAGS.steps if FLAGS["steps"].present or not FLAGS.respacing else None  # --steps has a default
     check_sampler(diffusion, FLAGS.sampler, steps, FLAGS.eta, FLAGS.respacing, FLAGS.spacing, FLAGS.order)
     guidance, _ = load_guidance(FLAGS.guide_ckpt, FLAGS.guidance, cfg, FLAGS.ema, FLAGS.guide_unconditional)
-    reference = _statistics(reference_spec)
-    value, _ = score(model, diffusion, cfg.image_shape, reference, FLAGS.num_images, FLAGS.seed, FLAGS.sampler,
-                     steps, FLAGS.eta, FLAGS.batch_size, FLAGS.progress, FLAGS.respacing, guidance, FLAGS.spacing,
-                     FLAGS.order)
-    return value, step
+    source = open_source(reference_spec, need_features=needs_features(metrics))
+    if needs_features(metrics):
+        check_sizes(metrics, FLAGS.num_images, _set_size(source), FLAGS.kid_subset_size)
+    reference = _statistics(source, needs_features(metrics))
+    scores, _ = score(model, diffusion, cfg.image_shape, reference, FLAGS.num_images, FLAGS.seed, FLAGS.sampler,
+                      steps, FLAGS.eta, FLAGS.batch_size, FLAGS.progress, FLAGS.respacing, guidance, FLAGS.spacing,
+                      FLAGS.order, metrics, FLAGS.kid_subsets, FLAGS.kid_subset_size, FLAGS.kid_seed)
+    return scores, step
 
 
 def main(argv):
     paths = argv[1:]
     quiet_megengine()
-    from megdiffusion.metrics.fid import (FEATURE_DIM, frechet_distance, open_source, save_statistics,
-                                          statistics_of_source)
+    from megdiffusion.metrics.fid import FEATURE_DIM, open_source, save_statistics
 
     with one_line_errors(), megengine_failures("rerun the same command"):
         if FLAGS.num_images is not None and FLAGS.num_images < 2:  # the flags' bounds: cli.parse_into
             raise UsageError(f"FID needs --num_images >= 2 (a covariance), got {FLAGS.num_images}")
+        metrics = parse_metrics(FLAGS.metrics)
+        if FLAGS.save_features and not FLAGS.save_stats:
+            raise UsageError("--save_features keeps the features in the file --save_stats writes; add --save_stats")
         if FLAGS.ckpt:
             if len(paths) != 1:
                 raise UsageError(f"with --ckpt give one reference PATH (images or stats npz); got {len(paths)}")
-            value, step = model_fid(paths[0])
+            scores, step = model_scores(paths[0], metrics)
             label = sampler_label(FLAGS.sampler, None if FLAGS.respacing else FLAGS.steps, FLAGS.respacing,
                                   FLAGS.spacing, FLAGS.order)
             guided = f", guided by {FLAGS.guide_ckpt} with w={FLAGS.guidance:g}" if FLAGS.guide_ckpt else ""
-            print(f"FID: {value:.4f} ({FLAGS.num_images} {'EMA' if FLAGS.ema else 'raw'} samples of "
-                  f"{FLAGS.ckpt} step {step}, {label}{guided}, vs {paths[0]})")
+            for line in score_lines(scores):
+                print(f"{line} ({FLAGS.num_images} {'EMA' if FLAGS.ema else 'raw'} samples of {FLAGS.ckpt} step "
+                      f"{step}, {label}{guided}, vs {paths[0]})")
             return
         if len(paths) != 2:
-            usage = "--save_stats PATH OUT.npz" if FLAGS.save_stats else "PATH_A PATH_B"
+            usage = "--save_stats PATH OUT.npz" if FLAGS.save_stats else "GENERATED REAL"
             raise UsageError(f"expected two arguments, {usage}; got {len(paths)}")
         if FLAGS.save_stats:
             if not paths[1].endswith(".npz"):
                 raise UsageError(f"the statistics file must end in .npz, got {paths[1]!r}")
             # before the Inception pass, not after it
             check_writable(paths[1], "OUT.npz", directory=False, overwrite=FLAGS.overwrite)
-            mu, sigma = _statistics(paths[0], FLAGS.num_images)
-            save_statistics(paths[1], mu, sigma)
-            print(f"wrote {paths[1]} (mu {mu.shape}, sigma {sigma.shape})")
+            stats = _statistics(open_source(paths[0], FLAGS.num_images, FLAGS.save_features), FLAGS.save_features)
+            save_statistics(paths[1], stats)
+            kept = f", features {stats.features.shape}" if stats.features is not None else ""
+            print(f"wrote {paths[1]} (mu {stats.mu.shape}, sigma {stats.sigma.shape}{kept})")
             return
-        sources = [open_source(path, FLAGS.num_images) for path in paths]  # both checked before the Inception pass
-        stats_a, stats_b = (statistics_of_source(source, FLAGS.batch_size, FLAGS.progress, FLAGS.inception_weights)
-                            for source in sources)
-        print(f"FID: {frechet_distance(*stats_a, *stats_b):.4f}")
-    if FLAGS.num_images is not None and FLAGS.num_images < FEATURE_DIM:
+        # both checked before the Inception pass
+        sources = [open_source(path, FLAGS.num_images, needs_features(metrics)) for path in paths]
+        if needs_features(metrics):
+            check_sizes(metrics, *map(_set_size, sources), FLAGS.kid_subset_size)
+        generated, real = (_statistics(source, needs_features(metrics)) for source in sources)
+        for line in score_lines(compare(generated, real, metrics, FLAGS.kid_subsets, FLAGS.kid_subset_size,
+                                        FLAGS.kid_seed)):
+            print(line)
+    if "fid" in metrics and FLAGS.num_images is not None and FLAGS.num_images < FEATURE_DIM:
         print(f"note: {FLAGS.num_images} < {FEATURE_DIM} images gives a rank-deficient covariance; "
               "FID is biased upward (papers use 50,000)", file=sys.stderr)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional, Tuple
 
 from megdiffusion.data.datasets import DATASETS
+from megdiffusion.metrics.scores import check_sizes, parse_metrics
 from megdiffusion.diffusion.choices import LEARNED_VAR_TYPES, LOSS_TYPES, MEAN_TYPES, SAMPLERS, SPACINGS, VAR_TYPES
 from megdiffusion.diffusion.schedules import SCHEDULES
 from megdiffusion.errors import MegdiffusionError
@@ -145,6 +146,8 @@ class TrainConfig:
     fid_every: int = _flag(0, "Score the EMA model with FID every this many steps (0: never); samples with "
                            "--sample_sampler/--sample_steps, reference stats cached in the logdir.", min=0)
     fid_num_images: int = _flag(1000, "Samples per FID evaluation during training (a covariance needs 2).", min=2)
+    fid_metrics: str = _flag("fid", "What --fid_every scores: fid, kid, pr (precision/recall) comma-separated, or all; "
+                             "KID and precision/recall keep the reference's features in fid_reference.npz.")
     # Devices
     device: str = _flag("auto", "auto: a GPU when MegEngine sees one.", choices=("auto", "cpu", "gpu"))
     num_gpus: int = _flag(1, "GPUs on this machine; more than 1 launches one process per GPU.", min=1)
@@ -301,6 +304,7 @@ def validate(cfg):
     if cfg.input_perturbation and cfg.mean_type == "xprev":
         raise ConfigError("--input_perturbation needs --mean_type eps, xstart or v: the xprev target is made from "
                           "the perturbed x_t")
+    check_sizes(parse_metrics(cfg.fid_metrics, "--fid_metrics"), cfg.fid_num_images, cfg.fid_num_images)
     try:
         if cfg.sample_every or cfg.fid_every:  # the only users of the sampler settings
             diffusion.check_sampling(cfg.sample_sampler, cfg.sample_steps, spacing=cfg.sample_spacing,

@@ -351,17 +351,22 @@ class TrainingRun:
         self.logger.add_grid(step, grid)
 
     def evaluate_fid(self):
-        """FID of ``fid_num_images`` EMA samples against the training images' statistics (cached in the
-        logdir as ``fid_reference.npz``), written to metrics.jsonl as ``fid``."""
-        from megdiffusion.evaluate import model_fid, reference_statistics
+        """``fid_metrics`` of ``fid_num_images`` EMA samples against the training images (their statistics, and
+        features for KID and precision/recall, cached in the logdir as ``fid_reference.npz``), written to
+        metrics.jsonl (``scores.compare``'s names)."""
+        from megdiffusion.evaluate import model_scores, reference_statistics
+        from megdiffusion.metrics.scores import needs_features, parse_metrics, score_lines
 
         cfg = self.cfg
-        reference = reference_statistics(self.loader.images, os.path.join(cfg.logdir, "fid_reference.npz"))
-        value, _ = model_fid(self.trainer.ema, self.trainer.diffusion, cfg.image_shape, reference, cfg.fid_num_images,
-                             cfg.seed, cfg.sample_sampler, cfg.sample_steps, spacing=cfg.sample_spacing,
-                             order=cfg.sample_order)
-        self.logger.write_metrics(self.trainer.step_count, {"fid": value, "fid_num_images": cfg.fid_num_images})
-        self.logger.message(f"step {self.trainer.step_count}: FID {value:.2f} ({cfg.fid_num_images} EMA samples)")
+        metrics = parse_metrics(cfg.fid_metrics, "--fid_metrics")
+        reference = reference_statistics(self.loader.images, os.path.join(cfg.logdir, "fid_reference.npz"),
+                                         keep_features=needs_features(metrics))
+        scores, _ = model_scores(self.trainer.ema, self.trainer.diffusion, cfg.image_shape, reference,
+                                 cfg.fid_num_images, cfg.seed, cfg.sample_sampler, cfg.sample_steps,
+                                 spacing=cfg.sample_spacing, order=cfg.sample_order, metrics=metrics)
+        self.logger.write_metrics(self.trainer.step_count, {**scores, "fid_num_images": cfg.fid_num_images})
+        self.logger.message(f"step {self.trainer.step_count}: {'; '.join(score_lines(scores))} "
+                            f"({cfg.fid_num_images} EMA samples)")
 
 
 def _worker(cfg, images=None, latest=None, progress=True):
