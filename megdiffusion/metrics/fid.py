@@ -135,8 +135,8 @@ def _batch(images, start, stop):
     return np.concatenate([preprocess(item[None]) for item in items])
 
 
-def features_of_images(images, batch_size=50, progress=False, weights_path=None):
-    """The (N, 2048) float32 pool3 features of ``images``.
+def _feature_batches(images, batch_size=50, progress=False, weights_path=None):
+    """The (B, 2048) float32 pool3 features of ``images``, yielded batch by batch.
 
     ``images``: uint8 NHWC array, or a sequence of uint8 HWC images (e.g. ``datasets.ImageFolder``), read
     batch by batch. ``progress`` shows a tqdm bar with images/s on stderr.
@@ -144,7 +144,6 @@ def features_of_images(images, batch_size=50, progress=False, weights_path=None)
     if batch_size < 1:
         raise FIDError(f"batch_size must be >= 1, got {batch_size}")
     network = get_inception(weights_path)
-    features = np.empty((len(images), FEATURE_DIM), np.float32)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -152,12 +151,11 @@ def features_of_images(images, batch_size=50, progress=False, weights_path=None)
         bar = tqdm(total=len(images), unit="img", desc="inception", dynamic_ncols=True)
     for start in range(0, len(images), batch_size):
         stop = min(start + batch_size, len(images))
-        features[start:stop] = network(_batch(images, start, stop))
+        yield network(_batch(images, start, stop))
         if bar is not None:
             bar.update(stop - start)
     if bar is not None:
         bar.close()
-    return features
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,8 +175,14 @@ def statistics_of_features(features, keep=False):
 
 
 def statistics_of_images(images, batch_size=50, progress=False, weights_path=None, keep_features=False):
-    """:class:`Statistics` of the pool3 features of ``images`` (see :func:`features_of_images`)."""
-    return statistics_of_features(features_of_images(images, batch_size, progress, weights_path), keep_features)
+    """:class:`Statistics` of the pool3 features of ``images`` (see :func:`_feature_batches`); the features are
+    accumulated batch by batch, and held in memory only when ``keep_features`` (50,000 images: 400 MB)."""
+    stats, kept = FeatureStatistics(), []
+    for features in _feature_batches(images, batch_size, progress, weights_path):
+        stats.update(features)
+        if keep_features:
+            kept.append(features)
+    return Statistics(*stats.finalize(), np.concatenate(kept) if keep_features else None)
 
 
 def frechet_distance(mu1, sigma1, mu2, sigma2):
