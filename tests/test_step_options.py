@@ -294,7 +294,9 @@ def test_numpy_pass_dropout_masks_are_the_same_for_any_cut_into_groups_of_8(tiny
 # A traced step
 
 @pytest.mark.parametrize("changes", [dict(), dict(microbatch=4, num_classes=3)], ids=["whole", "microbatch-classes"])
-def test_a_traced_step_equals_the_eager_step_over_20_steps(tiny_config, engine_kernels, changes):
+def test_a_traced_step_equals_the_eager_step_over_20_steps(tiny_config, engine_kernels, synchronous_engine, changes):
+    # Synchronous: its 80 backward passes through MegEngine met the asynchronous backward's race (inf gradient norm
+    # at step 5 in one suite run).
     cfg = tiny_config(lr=2e-3, **changes)
     labels = (np.arange(8) % 3).astype(np.int32) if cfg.num_classes else None
     eager, traced = Trainer(cfg), Trainer(cfg.replace(trace=True))
