@@ -20,7 +20,7 @@ setup(
     package_data={"megdiffusion": ["configs/*.cfg", "data/assets/*.gz"]},
     include_package_data=True,
     python_requires=">=3.8,<3.11",
-    # oneDNN's JIT convolutions for CPU training (megdiffusion.nn.onednn); elsewhere the numpy kernels run.
+    # oneDNN's JIT convolutions for CPU training (megdiffusion.cpu.onednn); elsewhere the numpy kernels run.
     install_requires=["megengine>=1.9", "numpy<2", "absl-py", "tqdm", "pillow", "threadpoolctl>=3",
                       "onednn-cpu-gomp==2023.2.0; sys_platform == 'linux' and platform_machine == 'x86_64'"],
     extras_require={

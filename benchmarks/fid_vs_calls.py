@@ -35,9 +35,9 @@ def steps_for(sampler, calls, guided):
 
 def measure(run_dir, sampler, spacing, calls, guided, num_images=500, batch_size=100):
     """One point: FID and sampling seconds of ``num_images`` samples of the run's final EMA model."""
-    from megdiffusion.generation import Autoguidance, generate_images
+    from megdiffusion.sampling.generation import Autoguidance, generate_images
     from megdiffusion.metrics import fid
-    from megdiffusion.sampling import load_model
+    from megdiffusion.sampling.jobs import load_model
 
     model, diffusion, cfg, step = load_model(os.path.join(run_dir, "train"))
     guide = None

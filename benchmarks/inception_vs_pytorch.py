@@ -27,7 +27,7 @@ SIDES = ("megdiffusion", "torch")
 
 def megdiffusion_network():
     from megdiffusion.metrics.inception import build_inception
-    from megdiffusion.nn import onednn
+    from megdiffusion.cpu import onednn
 
     net = build_inception()
     return net, {"onednn": onednn.available(), "fast_cpu": net.fast_cpu}

@@ -6,7 +6,7 @@ import time
 
 def cpu_seconds():
     """CPU seconds so far of this process's threads and of its live child processes (megdiffusion's worker
-    processes, ``megdiffusion.group_workers``), from /proc where there is one."""
+    processes, ``megdiffusion.cpu.group_workers``), from /proc where there is one."""
     total = time.process_time()
     me = str(os.getpid())
     for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:

@@ -25,9 +25,9 @@ import measurement  # noqa: E402
 from megdiffusion.compat import quiet_megengine  # noqa: E402
 
 mge = quiet_megengine()
-from megdiffusion import native  # noqa: E402
-from megdiffusion.nn import onednn  # noqa: E402
-from megdiffusion.nn.conv import fast_conv_enabled  # noqa: E402
+from megdiffusion.cpu import native  # noqa: E402
+from megdiffusion.cpu import onednn  # noqa: E402
+from megdiffusion.cpu.conv import fast_conv_enabled  # noqa: E402
 from megdiffusion.training.config import TrainConfig, build_diffusion, build_model  # noqa: E402
 from megdiffusion.training.trainer import Trainer  # noqa: E402
 from train_step import cifar_shaped, cpu_recipe  # noqa: E402
@@ -141,7 +141,7 @@ def check_outputs(work_dir, name, cfg, model):
 
 def engine():
     """What ran megdiffusion's side: MegEngine's version, the convolution kernels, and whether the network runs
-    outside MegEngine (``megdiffusion.native``)."""
+    outside MegEngine (``megdiffusion.cpu.native``)."""
     return {"megengine": mge.__version__, "fast_conv": fast_conv_enabled(), "onednn": onednn.available(),
             "native": native.enabled()}
 

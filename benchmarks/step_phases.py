@@ -29,7 +29,7 @@ from benchmarks.train_step import cifar_shaped, cpu_recipe  # noqa: E402
 from megdiffusion.compat import quiet_megengine  # noqa: E402
 
 mge = quiet_megengine()
-from megdiffusion.nn.conv import set_fast_conv  # noqa: E402
+from megdiffusion.cpu.conv import set_fast_conv  # noqa: E402
 from megdiffusion.training import flat_update  # noqa: E402
 from megdiffusion.training import trainer as trainer_module  # noqa: E402
 from megdiffusion.training.trainer import Trainer  # noqa: E402

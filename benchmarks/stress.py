@@ -14,7 +14,7 @@ Factors, one at a time (each applies to every run of the invocation):
   --spin N|default|megengine
                         MGB_WORKER_MAX_SPIN: megdiffusion's cap (1000 on CPU-only machines), a number,
                         or MegEngine's own calibrated spin
-  --threads N           threads of megdiffusion.batch_threads (1: chunks run in the calling thread)
+  --threads N           threads of megdiffusion.cpu.batch_threads (1: chunks run in the calling thread)
   --no_gc_pause         keep Python's garbage collector enabled while batch chunks run
   --native              MegEngine's own convolutions (MEGDIFFUSION_FAST_CONV=0)
   --dtr_threshold BYTES MEGENGINE_DTR_EVICTEE_MINIMUM_SIZE (megdiffusion keeps MegEngine's DTR candidate list
@@ -48,10 +48,10 @@ def child(args):
 
     mge = quiet_megengine()
     mge.config.async_level = args.async_level
-    from megdiffusion import batch_threads
+    from megdiffusion.cpu import batch_threads
     from megdiffusion.images import to_float
-    from megdiffusion.nn import conv
-    from megdiffusion.generation import generate_images
+    from megdiffusion.cpu import conv
+    from megdiffusion.sampling.generation import generate_images
     from megdiffusion.training.config import CPU_RECIPE, config_from_flagfile
     from megdiffusion.training.trainer import Trainer
 

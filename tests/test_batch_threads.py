@@ -5,7 +5,7 @@ import threading
 import pytest
 from threadpoolctl import ThreadpoolController
 
-from megdiffusion import batch_threads
+from megdiffusion.cpu import batch_threads
 
 
 def blas_threads():

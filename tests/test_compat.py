@@ -32,7 +32,7 @@ def test_user_settings_and_an_earlier_megengine_import_are_left_alone():
 
 
 QUIET = "from megdiffusion.compat import quiet_megengine\nmge = quiet_megengine()\n"
-IMPORT_CONV = "from megdiffusion.nn.conv import Conv2d\n"
+IMPORT_CONV = "from megdiffusion.cpu.conv import Conv2d\n"
 
 
 def stderr_of_a_conv(imports):

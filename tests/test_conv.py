@@ -13,10 +13,10 @@ import megengine.module as M  # noqa: E402
 import megengine.optimizer as optim  # noqa: E402
 from megengine.autodiff import GradManager  # noqa: E402
 
-from megdiffusion import batch_threads  # noqa: E402
-from megdiffusion.nn import conv as conv_module  # noqa: E402
-from megdiffusion.nn import onednn  # noqa: E402
-from megdiffusion.nn.conv import Conv2d, fast_conv_enabled, set_fast_conv  # noqa: E402
+from megdiffusion.cpu import batch_threads  # noqa: E402
+from megdiffusion.cpu import conv as conv_module  # noqa: E402
+from megdiffusion.cpu import onednn  # noqa: E402
+from megdiffusion.cpu.conv import Conv2d, fast_conv_enabled, set_fast_conv  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -22,7 +22,8 @@ from megdiffusion.compat import quiet_megengine
 
 mge = quiet_megengine()
 
-from megdiffusion import formats, sampling, torch_archive  # noqa: E402
+from megdiffusion import sampling  # noqa: E402
+from megdiffusion.formats import convert as formats, torch_archive  # noqa: E402
 from megdiffusion.training import checkpoint as ckpt  # noqa: E402
 from megdiffusion.training.config import TrainConfig, as_flag, build_model, config_from_flagfile  # noqa: E402
 from megdiffusion.training.trainer import TrainingRun  # noqa: E402

@@ -22,11 +22,12 @@ from megdiffusion.compat import quiet_megengine
 mge = quiet_megengine()
 from megengine.autodiff import GradManager  # noqa: E402
 
-from megdiffusion import formats, sampling  # noqa: E402
+from megdiffusion import sampling  # noqa: E402
+from megdiffusion.formats import convert as formats  # noqa: E402
 from megdiffusion.diffusion import GaussianDiffusion, make_beta_schedule  # noqa: E402
 from megdiffusion.diffusion import losses  # noqa: E402
 from megdiffusion.diffusion.spacing import space_timesteps  # noqa: E402
-from megdiffusion.nn import conv  # noqa: E402
+from megdiffusion.cpu import conv  # noqa: E402
 from megdiffusion.nn.layers import timestep_embedding  # noqa: E402
 from megdiffusion.training.config import build_model  # noqa: E402
 

@@ -8,10 +8,11 @@ import sys
 import numpy as np
 import pytest
 
-from megdiffusion import evaluate, sampling
+from megdiffusion import sampling
+from megdiffusion.sampling import evaluate
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.spacing import space_timesteps
-from megdiffusion.generation import generate_images
+from megdiffusion.sampling.generation import generate_images
 from megdiffusion.training.trainer import TrainingRun
 
 quiet_megengine()

@@ -6,7 +6,7 @@ import pytest
 
 from megdiffusion.metrics import inception
 from megdiffusion.metrics.fid import preprocess
-from megdiffusion.nn import onednn
+from megdiffusion.cpu import onednn
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "inception_reference.npz")
 

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 from megdiffusion.compat import quiet_megengine
-from megdiffusion.nn import numpy_unet, onednn
-from megdiffusion.nn.conv import fast_conv_enabled, set_fast_conv
+from megdiffusion.cpu import numpy_unet, onednn
+from megdiffusion.cpu.conv import fast_conv_enabled, set_fast_conv
 from megdiffusion.nn.layers import timestep_embedding
 from megdiffusion.nn.options import NO_CLASS
 from megdiffusion.nn.unet import UNet
-from megdiffusion import native
+from megdiffusion.cpu import native
 from megdiffusion.training import trainer as trainer_module
 from megdiffusion.training.config import build_diffusion, build_model
-from megdiffusion.group_workers import WorkerError
+from megdiffusion.cpu.group_workers import WorkerError
 from megdiffusion.training.trainer import Trainer
 
 mge = quiet_megengine()

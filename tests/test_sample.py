@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from megdiffusion import sampling
+from megdiffusion.sampling import jobs
 from megdiffusion.compat import cuda_driver_loadable, quiet_megengine
 from megdiffusion.diffusion.solvers import SOLVERS
-from megdiffusion.generation import Autoguidance, _Guided, generate_images
+from megdiffusion.sampling.generation import Autoguidance, _Guided, generate_images
 from megdiffusion.nn.options import NO_CLASS
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
@@ -184,10 +185,10 @@ def test_interrupted_run_resumes_to_the_same_images(loaded, tmp_path, monkeypatc
         real_save(path, image)
         written.append(path)
 
-    monkeypatch.setattr(sampling, "save_png", save_then_crash)
+    monkeypatch.setattr(jobs, "save_png", save_then_crash)
     with pytest.raises(KeyboardInterrupt):
         sampling.sample_to_directory(*args, tmp_path / "resumed", 12, seed=3, batch_size=4, progress=False)
-    monkeypatch.setattr(sampling, "save_png", real_save)
+    monkeypatch.setattr(jobs, "save_png", real_save)
     assert len(sampling.missing_indices(tmp_path / "resumed", 12)) == 6
     assert sampling.sample_to_directory(*args, tmp_path / "resumed", 12, seed=3, batch_size=4,
                                         progress=False) == 6

@@ -11,7 +11,7 @@ import megengine.module as M  # noqa: E402
 from megengine.autodiff import GradManager  # noqa: E402
 from megengine.optimizer import Adam, clip_grad_norm  # noqa: E402
 
-from megdiffusion.nn.conv import Conv2d  # noqa: E402
+from megdiffusion.cpu.conv import Conv2d  # noqa: E402
 
 
 def test_upsample_nearest_2x_repeats_pixels():

@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megdiffusion import native, sampling
+from megdiffusion import sampling
+from megdiffusion.cpu import native
 from megdiffusion.compat import quiet_megengine
-from megdiffusion.nn import onednn
-from megdiffusion.nn.conv import fast_conv_enabled, set_fast_conv
+from megdiffusion.cpu import onednn
+from megdiffusion.cpu.conv import fast_conv_enabled, set_fast_conv
 from megdiffusion.nn.layers import AttnBlock
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import trainer as trainer_module

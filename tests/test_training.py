@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
-from megdiffusion import batch_threads
+from megdiffusion.cpu import batch_threads
 
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.data.loader import BatchLoader
 from megdiffusion.nn.options import NO_CLASS
 from megdiffusion.training import checkpoint as ckpt
-from megdiffusion import native
+from megdiffusion.cpu import native
 from megdiffusion.training import distributed
 from megdiffusion.training import trainer as trainer_module
 from megdiffusion.training.flat_update import FlatUpdateError

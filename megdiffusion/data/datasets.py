@@ -13,7 +13,7 @@ from PIL import Image
 from megdiffusion.errors import MegdiffusionError, one_line
 from megdiffusion.fileio import read_npz
 from megdiffusion.images import ImageError, open_image
-from megdiffusion.torch_archive import load_array_pickle
+from megdiffusion.formats.torch_archive import load_array_pickle
 
 ASSETS = Path(__file__).parent / "assets"
 IMAGES, LABELS = "images-idx3", "labels-idx1"  # the two kinds of Fashion-MNIST idx file

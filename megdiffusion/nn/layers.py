@@ -1,6 +1,6 @@
 """Building blocks of the DDPM UNet, following Ho et al. 2020 (``diffusion_tf/models/unet.py``).
 
-Every convolution is ``megdiffusion.nn.conv.Conv2d``. Weights use Ho's ``default_init``: variance
+Every convolution is ``megdiffusion.cpu.conv.Conv2d``. Weights use Ho's ``default_init``: variance
 scaling with fan-avg and a uniform distribution (Xavier-uniform; ``init_scale=0`` means 1e-10, the
 "near-zero" init of the last conv of a residual block, the attention output and the output conv).
 Biases start at zero.
@@ -14,7 +14,7 @@ import megengine.module as M
 from megengine import Tensor
 
 from megdiffusion.compat import upsample_nearest_2x
-from megdiffusion.nn.conv import Conv2d
+from megdiffusion.cpu.conv import Conv2d
 from megdiffusion.nn.options import DOWNSAMPLE_PADDING, NORM_EPS, NORM_GROUPS, TIME_EMBEDDING
 
 

@@ -3,9 +3,9 @@
 SRC: a diffusers ``UNet2DModel`` directory, pesser/pytorch_diffusion's (and ddim's) ``model-*.ckpt``,
 pytorch-ddpm's ``ckpt.pt``, a MegEngine/MegDiffusion ``.pkl`` or an improved-diffusion ``.pt`` (its model or EMA
 files, e.g. ``cifar10_uncond_50M_500K.pt``); the format is read from the content
-(``megdiffusion.formats``). OUT: a megdiffusion checkpoint with its config inside, for ``scripts.sample --ckpt``,
-``scripts.fid --ckpt`` and ``scripts.train --init_from``. Every tensor maps onto one parameter and every
-parameter is filled, or nothing is written. Bad input: one ``error:`` line, exit code 2.
+(``megdiffusion.formats.convert``). OUT: a megdiffusion checkpoint with its config inside, for
+``scripts.sample --ckpt``, ``scripts.fid --ckpt`` and ``scripts.train --init_from``. Every tensor maps onto one
+parameter and every parameter is filled, or nothing is written. Bad input: one ``error:`` line, exit code 2.
 """
 from absl import app, flags
 
@@ -14,7 +14,7 @@ from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import VAR_TYPES
 from megdiffusion.diffusion.schedules import SCHEDULES
 from megdiffusion.fileio import check_writable
-from megdiffusion.formats import CHANNEL_ORDERS, FORMATS
+from megdiffusion.formats.convert import CHANNEL_ORDERS, FORMATS
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("format", "auto", ("auto",) + FORMATS, "The checkpoint's format; auto: read from the content.")
@@ -39,7 +39,7 @@ flags.DEFINE_enum("channel_order", None, CHANNEL_ORDERS, "The channel order the 
 
 def main(argv):
     quiet_megengine()
-    from megdiffusion import formats
+    from megdiffusion.formats import convert as formats
     from megdiffusion.training import checkpoint
 
     with one_line_errors(), megengine_failures("nothing was written; rerun the same command"):

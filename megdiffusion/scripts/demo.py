@@ -101,11 +101,11 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
     (guided by the model ``GUIDE_FRACTION`` of the way through the training when ``guidance`` > 1), draw grids
     and score; returns the summary dict (also written to summary.json)."""
     from megdiffusion.cli import UsageError
-    from megdiffusion.evaluate import model_scores, reference_statistics
+    from megdiffusion.sampling.evaluate import model_scores, reference_statistics
     from megdiffusion.metrics.scores import METRICS, compare
-    from megdiffusion.generation import Autoguidance
+    from megdiffusion.sampling.generation import Autoguidance
     from megdiffusion.images import make_grid, save_png
-    from megdiffusion.sampling import check_sampler, load_model
+    from megdiffusion.sampling.jobs import check_sampler, load_model
     from megdiffusion.training.checkpoint import list_checkpoints, load_latest
     from megdiffusion.training.config import build_diffusion, config_from_flagfile
     from megdiffusion.training.trainer import train

@@ -68,9 +68,9 @@ def _set_size(source):
 
 def model_scores(reference_spec, metrics):
     """``metrics`` of --num_images samples of the --ckpt model against all of ``reference_spec``."""
-    from megdiffusion.evaluate import model_scores as score
+    from megdiffusion.sampling.evaluate import model_scores as score
     from megdiffusion.metrics.fid import open_source
-    from megdiffusion.sampling import check_sampler, load_guidance, load_model
+    from megdiffusion.sampling.jobs import check_sampler, load_guidance, load_model
 
     if not FLAGS.num_images:
         raise UsageError("--ckpt needs --num_images (how many samples to score; papers use 50,000)")

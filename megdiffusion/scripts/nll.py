@@ -48,8 +48,8 @@ def main(argv):
     quiet_megengine()
     from tqdm import tqdm
 
-    from megdiffusion.evaluate import bits_per_dim
-    from megdiffusion.sampling import SamplingError, load_model
+    from megdiffusion.sampling.evaluate import bits_per_dim
+    from megdiffusion.sampling.jobs import SamplingError, load_model
 
     with one_line_errors(), megengine_failures("rerun the same command"):
         if len(argv) != 2:

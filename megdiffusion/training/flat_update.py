@@ -20,7 +20,7 @@ import numpy as np
 import megengine
 import megengine.functional as F
 
-from megdiffusion.batch_threads import one_blas_thread
+from megdiffusion.cpu.batch_threads import one_blas_thread
 from megdiffusion.compat import assign_
 from megdiffusion.errors import MegdiffusionError
 

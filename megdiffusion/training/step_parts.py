@@ -1,8 +1,9 @@
 """The parts a training step is made of: a source of the batch's loss and gradients, then one update.
 
-Sources (``Trainer.step`` picks one): ``native_gradients``, the numpy pass (``megdiffusion.native``, the fast CPU path),
-and ``EngineSource``, MegEngine's autodiff: eager or traced (``--trace``), float32 or mixed precision (``--amp``).
-Both take the batch in micro-batches (``--microbatch``) and return the gradient of the whole batch's mean loss.
+Sources (``Trainer.step`` picks one): ``native_gradients``, the numpy pass (``megdiffusion.cpu.native``, the fast CPU
+path), and ``EngineSource``, MegEngine's autodiff: eager or traced (``--trace``), float32 or mixed precision
+(``--amp``). Both take the batch in micro-batches (``--microbatch``) and return the gradient of the whole batch's
+mean loss.
 Updates: ``flat_update.FlatUpdate`` (numpy, the fast CPU path) and ``EngineUpdate`` (MegEngine's clipping, Adam and
 the EMA, on the device, with ``LossScaler`` under ``--amp``).
 """
@@ -12,7 +13,7 @@ import numpy as np
 
 from megdiffusion.compat import assign_, quiet_megengine
 from megdiffusion.errors import MegdiffusionError
-from megdiffusion.native import GROUP
+from megdiffusion.cpu.native import GROUP
 
 mge = quiet_megengine()
 import megengine.functional as F  # noqa: E402

@@ -10,14 +10,14 @@ import time
 
 import numpy as np
 
-from megdiffusion import native
+from megdiffusion.cpu import native
 from megdiffusion.compat import EngineFailure, assign_, is_megengine_error, megengine_error_cause, quiet_megengine
 from megdiffusion.data.datasets import load_dataset, load_labels
 from megdiffusion.data.loader import BatchLoader
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import output_directory
 from megdiffusion.images import save_png
-from megdiffusion.nn.conv import fast_conv_enabled
+from megdiffusion.cpu.conv import fast_conv_enabled
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
 from megdiffusion.training.config import ConfigError, TrainConfig, build_diffusion, build_model
@@ -62,7 +62,7 @@ class Trainer:
 
     A step is a source of the loss and gradients, then one update (``step_parts``):
 
-    - the fast CPU path (``megdiffusion.nn.conv.fast_conv_enabled()``): the numpy pass (``native_step``, through
+    - the fast CPU path (``megdiffusion.cpu.conv.fast_conv_enabled()``): the numpy pass (``native_step``, through
       ``step_parts.native_gradients``; where ``native.unsupported`` names no reason, e.g. not for a learned variance)
       or else MegEngine's autodiff with the fast convolutions (``EngineSource``), then clipping, Adam and the EMA in
       numpy on flat buffers (``flat_update.FlatUpdate``) that hold the weights, the EMA weights and Adam's state
@@ -97,7 +97,7 @@ class Trainer:
         self.engine_source = EngineSource(self._model, self.diffusion, self.params, self.grad_manager,
                                           amp=config.amp, traced=config.trace)
         self.engine_update = EngineUpdate(self.params, list(self._ema.parameters()), self._optimizer)
-        # The whole step in numpy on the fast path (``megdiffusion.native``), where it implements the setup.
+        # The whole step in numpy on the fast path (``megdiffusion.cpu.native``), where it implements the setup.
         supported = native.unsupported(self._model, self.diffusion, world_size) is None
         self.native_step = native.NativeStep(self._model, self.diffusion, self.params) if supported else None
         self.step_count = 0
@@ -354,7 +354,7 @@ class TrainingRun:
         """``fid_metrics`` of ``fid_num_images`` EMA samples against the training images (their statistics, and
         features for KID and precision/recall, cached in the logdir as ``fid_reference.npz``), written to
         metrics.jsonl (``scores.compare``'s names)."""
-        from megdiffusion.evaluate import model_scores, reference_statistics
+        from megdiffusion.sampling.evaluate import model_scores, reference_statistics
         from megdiffusion.metrics.scores import needs_features, parse_metrics, score_lines
 
         cfg = self.cfg

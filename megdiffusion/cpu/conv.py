@@ -5,7 +5,7 @@ against 0.16 s for the forward pass of a 64->64 3x3 conv on 16x64x32x32), and it
 kernels were ~1.9x slower than im2col + OpenBLAS on the CPU recipe's shapes. On the fast path the
 convolution is a ``megengine.autodiff.Function`` with two kernels:
 
-- oneDNN's JIT convolutions (``megdiffusion.nn.onednn``) for kernels larger than 1x1, forward and backward,
+- oneDNN's JIT convolutions (``megdiffusion.cpu.onednn``) for kernels larger than 1x1, forward and backward,
   when the library is installed (2-4x faster than the numpy kernels on the UNet's 3x3 shapes);
 - numpy for 1x1 kernels (a plain matmul, where oneDNN's per-call overhead lost) and wherever oneDNN is
   missing: im2col of the input (a strided view, copied per batch chunk), one matmul per sample; weight
@@ -15,7 +15,7 @@ convolution is a ``megengine.autodiff.Function`` with two kernels:
   space (float64 accumulation).
 
 Both split the batch into chunks that run on one thread per core while OpenBLAS is held to one thread
-(``megdiffusion.batch_threads``); every sample's (numpy) or fixed group's (oneDNN) arithmetic is the same
+(``megdiffusion.cpu.batch_threads``); every sample's (numpy) or fixed group's (oneDNN) arithmetic is the same
 whatever the chunking, so results are bit-identical on any core count. Outputs and gradients equal
 MegEngine's up to float32 rounding (tests: 1e-5 relative).
 
@@ -46,9 +46,9 @@ import megengine.module as M
 from megengine.autodiff import Function
 from megengine.jit.tracing import is_tracing
 
-from megdiffusion.batch_threads import for_batch_chunks
+from megdiffusion.cpu.batch_threads import for_batch_chunks
 from megdiffusion.compat import cuda_available
-from megdiffusion.nn import onednn
+from megdiffusion.cpu import onednn
 
 ENV_VAR = "MEGDIFFUSION_FAST_CONV"
 # Upper bound on one im2col buffer (floats); a batch chunk holds fewer samples when needed.

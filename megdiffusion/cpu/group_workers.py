@@ -1,4 +1,4 @@
-"""Worker processes that compute groups of a batch through ``nn.numpy_unet`` (``megdiffusion.native``): the loss
+"""Worker processes that compute groups of a batch through ``nn.numpy_unet`` (``megdiffusion.cpu.native``): the loss
 and gradients of a training step, or the output of an eval-mode call.
 
 A batch is cut into groups of a fixed size (``native.GROUP``); group g runs on process g mod P, process 0 being
@@ -23,9 +23,9 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from megdiffusion.batch_threads import one_blas_thread
+from megdiffusion.cpu.batch_threads import one_blas_thread
 from megdiffusion.errors import MegdiffusionError
-from megdiffusion.nn import numpy_unet
+from megdiffusion.cpu import numpy_unet
 
 
 _INSTEAD = "MEGDIFFUSION_NATIVE_STEP=0 trains through MegEngine's autodiff, without worker processes"
@@ -67,7 +67,7 @@ class GroupWorkers:
                    PYTHONPATH=os.pathsep.join([package_root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
         for _ in range(count):
             ours, theirs = socket.socketpair()
-            code = f"from megdiffusion.group_workers import serve; serve({theirs.fileno()})"
+            code = f"from megdiffusion.cpu.group_workers import serve; serve({theirs.fileno()})"
             # A session of its own: a terminal's Ctrl-C (or a signal to the caller's process group) reaches only the
             # caller, which finishes its step and saves a checkpoint; workers exit when their socket closes.
             process = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=env,

@@ -8,7 +8,7 @@
 Each unpickler refuses every class but the few its format needs, so loading a file runs no code stored in
 it. :func:`cached_arrays` converts a file once and keeps the result as ``.npz`` under :func:`cache_dir`.
 The FID Inception's weights, checkpoints (``training.checkpoint``) and published DDPM checkpoints
-(``megdiffusion.formats``) come through here.
+(``megdiffusion.formats.convert``) come through here.
 """
 import codecs
 import collections

@@ -26,11 +26,11 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from megdiffusion import torch_archive
+from megdiffusion.formats import torch_archive
 from megdiffusion.diffusion.choices import LEARNED_VAR_TYPES
 from megdiffusion.diffusion.schedules import make_beta_schedule
 from megdiffusion.errors import MegdiffusionError, one_line
-from megdiffusion.safetensors_file import is_safetensors, read_safetensors
+from megdiffusion.formats.safetensors_file import is_safetensors, read_safetensors
 from megdiffusion.training.checkpoint import REQUIRED_KEYS, list_checkpoints
 from megdiffusion.training.config import ConfigError, TrainConfig, validate
 

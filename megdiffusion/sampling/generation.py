@@ -23,7 +23,7 @@ import megengine.functional as F
 
 from megdiffusion.diffusion.samplers import eval_mode
 from megdiffusion.images import to_uint8
-from megdiffusion.native import NativeModel
+from megdiffusion.cpu.native import NativeModel
 from megdiffusion.nn.options import NO_CLASS
 
 

@@ -1,6 +1,6 @@
 """Numpy work on a batch, split into contiguous chunks that run on one thread per core.
 
-Used by the CPU convolutions (``megdiffusion.nn.conv``) and the numpy route of the FID Inception.
+Used by the CPU convolutions (``megdiffusion.cpu.conv``) and the numpy route of the FID Inception.
 OpenBLAS (or MKL) is held to one thread while the chunks run: coarse-grained parallelism that also
 covers the copies around each matmul, and that does not stall when another thread (MegEngine's)
 takes a core for a moment, as OpenBLAS's own threads did. Each chunk writes its own slice of

@@ -12,11 +12,11 @@ import os
 
 import numpy as np
 
-from megdiffusion.batch_threads import THREADS
+from megdiffusion.cpu.batch_threads import THREADS
 from megdiffusion.compat import quiet_megengine
-from megdiffusion.group_workers import GroupWorkers
-from megdiffusion.nn import numpy_unet
-from megdiffusion.nn.conv import fast_conv_enabled
+from megdiffusion.cpu.group_workers import GroupWorkers
+from megdiffusion.cpu import numpy_unet
+from megdiffusion.cpu.conv import fast_conv_enabled
 from megdiffusion.nn.layers import timestep_embedding
 
 mge = quiet_megengine()

@@ -1,6 +1,6 @@
 """The UNet outside MegEngine: forward and backward in numpy on channels-last arrays, 3x3 convolutions on oneDNN.
 
-The fast CPU path's training steps and eval calls (``megdiffusion.native``) run here. Through MegEngine a step of
+The fast CPU path's training steps and eval calls (``megdiffusion.cpu.native``) run here. Through MegEngine a step of
 the CPU recipe dispatched ~1,000 small ops and waited on MegEngine's worker thread at every hand-over to the numpy
 convolutions, holding the GIL meanwhile (benchmarks/README.md, "What the remaining gap was made of"). Here a
 group of samples goes forward as plain numpy calls; each layer returns its output and the closure of its
@@ -9,7 +9,7 @@ generator (training mode); eval mode has none.
 
 The network is a ``describe``d ``UNet``: the module tree as plain namespaces (picklable, no MegEngine), every
 ``Parameter`` replaced by its index in the parameter list, so that processes without MegEngine can run it
-(``megdiffusion.group_workers``). Parameters are read from ``weights`` and gradients added into ``grads``, lists of
+(``megdiffusion.cpu.group_workers``). Parameters are read from ``weights`` and gradients added into ``grads``, lists of
 numpy arrays in that order. The arithmetic is the modules' (``nn.layers``, ``nn.unet``): outputs and gradients
 equal MegEngine's up to float32 rounding (tests: 1e-4 relative). Two sums run in another order than MegEngine's:
 SiLU(temb) is computed once for all residual blocks, and the q, k and v projections of an attention block are
@@ -19,7 +19,7 @@ import types
 
 import numpy as np
 
-from megdiffusion.nn import onednn
+from megdiffusion.cpu import onednn
 from megdiffusion.nn.options import NO_CLASS
 
 
