@@ -150,3 +150,14 @@ def define_guidance_flags():
     flags.DEFINE_bool("guide_unconditional", False, "With --guide_ckpt: the guide predicts without a class (a "
                       "class-conditional run trained with --class_dropout). With the sampled checkpoint itself as "
                       "--guide_ckpt this is classifier-free guidance (Ho & Salimans 2022).")
+
+
+def config_from_flagfile(path, **overrides):
+    """``config_from_flags`` for a flagfile plus overrides (flag name -> value): ``(cfg, images)``."""
+    from megdiffusion.training.config import as_flag, config_from_flags, define_flags
+
+    flag_values = flags.FlagValues()
+    define_flags(flag_values)
+    parse_into(flag_values, ["megdiffusion", f"--flagfile={path}"] + [as_flag(name, value)
+                                                                      for name, value in overrides.items()])
+    return config_from_flags(flag_values)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from absl import flags
 
+from megdiffusion import cli
 from megdiffusion.data.datasets import DATASETS
 from megdiffusion.diffusion.choices import LOSS_TYPES, MEAN_TYPES, SAMPLERS, VAR_TYPES
 from megdiffusion.diffusion.schedules import SCHEDULES
@@ -130,7 +131,7 @@ def test_a_flagfile_with_overrides(tiny_config, tiny_images, tmp_path):
     np.savez(tmp_path / "data.npz", arr_0=tiny_images(16))
     written = tiny_config(dataset="npz", data_path=str(tmp_path / "data.npz"), random_flip=True)
     (tmp_path / "flags.cfg").write_text(config.to_flagfile(written))
-    cfg, images = config.config_from_flagfile(tmp_path / "flags.cfg", random_flip=False, channel_mult=(1, 2),
+    cfg, images = cli.config_from_flagfile(tmp_path / "flags.cfg", random_flip=False, channel_mult=(1, 2),
                                               lr=0.5)
     assert cfg == written.replace(random_flip=False, channel_mult=(1, 2), lr=0.5) and len(images) == 16
 
@@ -156,7 +157,7 @@ def test_a_flagfile_that_is_missing_or_holds_a_non_finite_number(tmp_path):
     from megdiffusion.cli import UsageError
 
     with pytest.raises(UsageError, match="^Unable to open flagfile: .*nope.cfg"):
-        config.config_from_flagfile(tmp_path / "nope.cfg")
+        cli.config_from_flagfile(tmp_path / "nope.cfg")
     (tmp_path / "flags.cfg").write_text("--lr=nan\n")
     with pytest.raises(UsageError, match="^--lr must be a finite number, got nan$"):
-        config.config_from_flagfile(tmp_path / "flags.cfg")
+        cli.config_from_flagfile(tmp_path / "flags.cfg")

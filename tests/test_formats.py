@@ -22,10 +22,12 @@ from megdiffusion.compat import quiet_megengine
 
 mge = quiet_megengine()
 
-from megdiffusion import sampling  # noqa: E402
-from megdiffusion.formats import convert as formats, torch_archive  # noqa: E402
+from megdiffusion import formats, sampling  # noqa: E402
+from megdiffusion.formats import convert, diffusers, names, networks, torch_archive  # noqa: E402
+from megdiffusion.formats.published import PUBLISHED  # noqa: E402
 from megdiffusion.training import checkpoint as ckpt  # noqa: E402
-from megdiffusion.training.config import TrainConfig, as_flag, build_model, config_from_flagfile  # noqa: E402
+from megdiffusion.training.config import TrainConfig, as_flag, build_model  # noqa: E402
+from megdiffusion.cli import config_from_flagfile  # noqa: E402
 from megdiffusion.training.trainer import TrainingRun  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,15 +57,15 @@ MODELS = sorted(p for p in REFERENCE.iterdir()
 
 @functools.lru_cache(maxsize=None)
 def _converted(path, ema=True, **changes):
-    """``formats.convert`` with the small models' sizes; the EMA weights of files that hold two sets."""
+    """``convert.convert`` with the small models' sizes; the EMA weights of files that hold two sets."""
     options = dict(dict(image_size=SMALL["inputs"]["sample_size"], norm_groups=SMALL["norm_num_groups"],
                         var_type="fixedlarge"), **changes)
     try:
-        return formats.convert(str(path), ema=ema, **options)
+        return convert.convert(str(path), ema=ema, **options)
     except formats.ConvertError as err:
         if not ema or "holds one set of weights" not in str(err):
             raise
-        return formats.convert(str(path), **options)
+        return convert.convert(str(path), **options)
 
 
 def _outputs(cfg, weights, x=None, **changes):
@@ -200,11 +202,11 @@ def test_wrong_requests_are_refused(tmp_path):
     pesser = _model_of_format("pesser")
     size, groups = SMALL["inputs"]["sample_size"], SMALL["norm_num_groups"]
     with pytest.raises(formats.ConvertError, match="holds one set of weights; --ema picks"):
-        formats.convert(str(pesser), ema=True, image_size=size, norm_groups=groups, var_type="fixedlarge")
+        convert.convert(str(pesser), ema=True, image_size=size, norm_groups=groups, var_type="fixedlarge")
     with pytest.raises(formats.ConvertError, match="is in the pesser format, not diffusers"):
         _converted(pesser, fmt="diffusers")
     with pytest.raises(formats.ConvertError, match="does not record its image_size .* give --image_size"):
-        formats.convert(str(pesser), norm_groups=groups, var_type="fixedlarge")
+        convert.convert(str(pesser), norm_groups=groups, var_type="fixedlarge")
     with pytest.raises(formats.ConvertError, match=rf"--norm_groups={groups + 1}, but .* states {groups}"):
         _converted(_model_of_format("diffusers"), norm_groups=groups + 1)
     for model in (pesser, _model_of_format("diffusers")):  # Ho's network has one attention head
@@ -213,7 +215,7 @@ def test_wrong_requests_are_refused(tmp_path):
     evil = tmp_path / "evil.pkl"
     evil.write_bytes(pickle.dumps({"w": print}))
     with pytest.raises(formats.ConvertError, match="refusing to load builtins.print"):
-        formats.convert(str(evil))
+        convert.convert(str(evil))
 
 
 # --- the real-size models: key mapping, network and schedule ------------------------------------------------
@@ -230,23 +232,23 @@ def _parameter_shapes(image_size, model_channels, channel_mult, num_res_blocks, 
 def test_the_key_mapping_is_complete_on_the_real_size_layouts(model_id, layout):
     entry = FULL_KEYS["models"][model_id]
     shapes = {name: tuple(shape) for name, shape in entry["layouts"][layout]}
-    assert formats.detect_layout(shapes) == layout
+    assert names.detect_layout(shapes) == layout
     if layout.startswith("diffusers"):
-        network = formats.check_diffusers_config(entry["diffusers_config"])
+        network = diffusers.check_diffusers_config(entry["diffusers_config"])
     else:
-        network = formats.network_from_shapes(layout, shapes)
+        network = networks.network_from_shapes(layout, shapes)
     original = entry["pesser_model_kwargs"]  # the same network in the original code's terms
     size = original["resolution"]
     assert (network["model_channels"], network["channel_mult"], network["num_res_blocks"]) == \
         (original["ch"], tuple(original["ch_mult"]), original["num_res_blocks"])
     attention = tuple(size // 2 ** level for level in network["attention_levels"])
     assert attention == tuple(original["attn_resolutions"])
-    [published] = [p for p in formats.PUBLISHED if p.family == "ddpm" and p.channel_mult == network["channel_mult"]]
+    [published] = [p for p in PUBLISHED if p.family == "ddpm" and p.channel_mult == network["channel_mult"]]
     assert published.image_size == size and published.attention_levels == network["attention_levels"]
 
     targets = _parameter_shapes(size, original["ch"], tuple(original["ch_mult"]), original["num_res_blocks"],
                                 attention)
-    pairs = formats.mapping(layout, shapes, targets, len(original["ch_mult"]), original["num_res_blocks"])
+    pairs = names.mapping(layout, shapes, targets, len(original["ch_mult"]), original["num_res_blocks"])
     assert sorted(ours for _, ours in pairs) == sorted(targets) and len({theirs for theirs, _ in pairs}) == len(pairs)
     unmapped = set(shapes) - {theirs for theirs, _ in pairs}
     assert unmapped == ({"time_embedding.timembedding.0.weight"} if layout == "pytorch_ddpm" else set())
@@ -257,25 +259,25 @@ def test_the_key_mapping_is_complete_on_the_real_size_layouts(model_id, layout):
 
 
 def _iddpm_source(cfg, extra=()):
-    """A ``formats.Source`` holding (zero-stride) tensors of the shapes improved-diffusion's state dict of ``cfg``'s
+    """A ``convert.Source`` holding (zero-stride) tensors of the shapes improved-diffusion's state dict of ``cfg``'s
     network has: conv biases (O,), attention convolutions Conv1d (O, I, 1), q, k and v fused into qkv."""
     shapes = {}
     attention_levels = {level for level in range(len(cfg.channel_mult))
                         if cfg.image_size // 2 ** level in cfg.attention_resolutions}
     for name, shape in _parameter_shapes_of(cfg).items():
-        theirs = formats.source_name("improved_diffusion", name, len(cfg.channel_mult), cfg.num_res_blocks,
+        theirs = names.source_name("improved_diffusion", name, len(cfg.channel_mult), cfg.num_res_blocks,
                                      attention_levels)
         is_attention = ".attns." in name or name.startswith("mid_attn.")
         if name.endswith(".bias"):
             shape = (int(np.prod(shape)),)
         elif is_attention and len(shape) == 4:  # 1x1 convolutions there, Conv1d in improved-diffusion
             shape = shape[:3]
-        if formats.qkv_part("improved_diffusion", name) is not None:
+        if names.qkv_part("improved_diffusion", name) is not None:
             shape = (3 * shape[0],) + shape[1:]
         shapes[theirs] = shape
     shapes.update(extra)
     tensors = {name: np.broadcast_to(np.float32(0), shape) for name, shape in shapes.items()}
-    return formats.Source("model.pt", "improved_diffusion", "improved_diffusion", tensors, {}, "state dict")
+    return convert.Source("model.pt", "improved_diffusion", "improved_diffusion", tensors, {}, "state dict")
 
 
 def _parameter_shapes_of(cfg):
@@ -287,17 +289,17 @@ def test_improved_diffusions_published_cifar10_network_is_the_iddpm_recipe(tmp_p
     recipe, _ = config_from_flagfile(REPO / "configs" / "iddpm_cifar10.cfg", dataset="npz",
                                      data_path=str(tmp_path / "data.npz"))
     source = _iddpm_source(recipe)
-    cfg = formats.describe(source)  # no flags: the published network says what the file does not
+    cfg = convert.describe(source)  # no flags: the published network says what the file does not
     for name in ckpt.RECIPE_FIELDS + ("dropout",):
         assert getattr(cfg, name) == getattr(recipe, name), name
     targets = _parameter_shapes_of(cfg)
-    pairs = formats.mapping("improved_diffusion", {n: a.shape for n, a in source.tensors.items()}, targets,
+    pairs = names.mapping("improved_diffusion", {n: a.shape for n, a in source.tensors.items()}, targets,
                             len(cfg.channel_mult), cfg.num_res_blocks)
     assert sorted(ours for _, ours in pairs) == sorted(targets)
     assert sum(int(np.prod(shape)) for shape in targets.values()) == 52_546_438
     with pytest.raises(formats.ConvertError, match="a class-conditional model"):
-        formats.describe(_iddpm_source(recipe, {"label_emb.weight": (1000, 512)}))
-    assert formats.describe(source, num_heads=2).num_heads == 2  # a flag beats the published value
+        convert.describe(_iddpm_source(recipe, {"label_emb.weight": (1000, 512)}))
+    assert convert.describe(source, num_heads=2).num_heads == 2  # a flag beats the published value
 
 
 def _published_configs():
@@ -308,8 +310,8 @@ def _published_configs():
 
 @pytest.mark.parametrize("unet, scheduler", _published_configs(), ids=lambda c: str(c.get("sample_size", "")))
 def test_published_models_record_their_schedule_and_variance(unet, scheduler):
-    network, diffusion = formats.check_diffusers_config(unet), formats.check_scheduler_config(scheduler)
-    [published] = [p for p in formats.PUBLISHED if p.family == "ddpm" and p.channel_mult == network["channel_mult"]]
+    network, diffusion = diffusers.check_diffusers_config(unet), diffusers.check_scheduler_config(scheduler)
+    [published] = [p for p in PUBLISHED if p.family == "ddpm" and p.channel_mult == network["channel_mult"]]
     assert diffusion == {"num_timesteps": 1000, "mean_type": "eps", "var_type": published.var_type}
     assert published.var_type == {32: "fixedlarge", 256: "fixedsmall"}[network["image_size"]]  # Ho et al.
     assert network["downsample_padding"] == "bottom_right" and network["norm_eps"] == 1e-6
@@ -318,7 +320,7 @@ def test_published_models_record_their_schedule_and_variance(unet, scheduler):
 @pytest.mark.parametrize("prediction, mean_type", [("epsilon", "eps"), ("sample", "xstart"), ("v_prediction", "v")])
 def test_scheduler_predictions_map_to_mean_types(prediction, mean_type):
     config = {**_published_configs()[0][1], "prediction_type": prediction}
-    assert formats.check_scheduler_config(config)["mean_type"] == mean_type
+    assert diffusers.check_scheduler_config(config)["mean_type"] == mean_type
 
 
 @pytest.mark.parametrize("change, message", [
@@ -330,7 +332,7 @@ def test_scheduler_predictions_map_to_mean_types(prediction, mean_type):
 ])
 def test_schedules_megdiffusion_does_not_have_are_refused(change, message):
     with pytest.raises(formats.ConvertError, match=message):
-        formats.check_scheduler_config({**_published_configs()[0][1], **change})
+        diffusers.check_scheduler_config({**_published_configs()[0][1], **change})
 
 
 DROP = object()  # a key left out of config.json
@@ -351,7 +353,7 @@ DROP = object()  # a key left out of config.json
 def test_unet_configs_that_are_not_hos_network_are_refused(change, message):
     config = {key: value for key, value in {**_published_configs()[0][0], **change}.items() if value is not DROP}
     with pytest.raises(formats.ConvertError, match=message):
-        formats.check_diffusers_config(config)
+        diffusers.check_diffusers_config(config)
 
 
 # --- the scripts, and runs started from converted weights ---------------------------------------------------
@@ -371,7 +373,7 @@ def test_convert_writes_a_checkpoint_that_samples(tmp_path):
     refused = _run_script("convert", source, out, *sizes)
     assert refused.returncode == 2 and _errors(refused.stderr) == [
         f"error: {source} does not record its var_type and is not a published network "
-        f"({', '.join(p.name for p in formats.PUBLISHED if p.family == 'ddpm')}); give --var_type"]
+        f"({', '.join(p.name for p in PUBLISHED if p.family == 'ddpm')}); give --var_type"]
     assert not out.exists()
 
     result = _run_script("convert", source, out, *sizes, "--var_type=fixedsmall", "--ema")

@@ -23,10 +23,10 @@ mge = quiet_megengine()
 from megengine.autodiff import GradManager  # noqa: E402
 
 from megdiffusion import sampling  # noqa: E402
-from megdiffusion.formats import convert as formats  # noqa: E402
 from megdiffusion.diffusion import GaussianDiffusion, make_beta_schedule  # noqa: E402
 from megdiffusion.diffusion import losses  # noqa: E402
 from megdiffusion.diffusion.spacing import space_timesteps  # noqa: E402
+from megdiffusion.formats import convert, names  # noqa: E402
 from megdiffusion.cpu import conv  # noqa: E402
 from megdiffusion.nn.layers import timestep_embedding  # noqa: E402
 from megdiffusion.training.config import build_model  # noqa: E402
@@ -199,13 +199,13 @@ def test_the_bpd_loop(case):
 
 @pytest.fixture(scope="module")
 def converted():
-    """``formats.convert`` of unet_small.pt with its image size and head count: (cfg, weights, mapping)."""
+    """``convert.convert`` of unet_small.pt with its image size and head count: (cfg, weights, mapping)."""
     path = str(REFERENCE / "unet_small.pt")
-    cfg, weights, record = formats.convert(path, fmt="improved_diffusion", **UNET_FLAGS)
+    cfg, weights, record = convert.convert(path, fmt="improved_diffusion", **UNET_FLAGS)
     assert record["format"] == "improved_diffusion"
-    source = formats.read_source(path)
+    source = convert.read_source(path)
     assert list(source.tensors) == UNET["state_dict_keys"]
-    pairs = formats.mapping(source.layout, {n: a.shape for n, a in source.tensors.items()},
+    pairs = names.mapping(source.layout, {n: a.shape for n, a in source.tensors.items()},
                             {n: w.shape for n, w in weights.items()}, len(cfg.channel_mult), cfg.num_res_blocks)
     return cfg, weights, dict(pairs)
 
@@ -263,10 +263,10 @@ def _scaled_error(model, x, out):
 def test_each_wrong_convention_misses_the_reference(converted, change):
     cfg, weights, theirs_to_ours = converted
     if change == "qkv_not_per_head":  # [all q | all k | all v] instead of [q k v] per head
-        source = formats.read_source(str(REFERENCE / "unet_small.pt"))
+        source = convert.read_source(str(REFERENCE / "unet_small.pt"))
         weights = dict(weights)
         for theirs, ours in theirs_to_ours.items():
-            part = formats.qkv_part("improved_diffusion", ours)
+            part = names.qkv_part("improved_diffusion", ours)
             if part is not None:
                 fused = source.tensors[theirs]
                 weights[ours] = np.split(fused, 3)[part].reshape(weights[ours].shape)
@@ -331,13 +331,13 @@ def test_the_megengine_ports_pickle_of_an_improved_diffusion_model_converts_alik
     # biases reshaped to (1, C, 1, 1) and Conv1d (attention) biases to (1, C, 1).
     cfg, weights, _ = converted
     port = {}
-    for name, array in formats.read_source(str(REFERENCE / "unet_small.pt")).tensors.items():
+    for name, array in convert.read_source(str(REFERENCE / "unet_small.pt")).tensors.items():
         if name.endswith(".bias") and "emb" not in name:
             array = array.reshape((1, -1, 1) if "qkv" in name or "proj" in name else (1, -1, 1, 1))
         port[name] = array
     path = tmp_path / "iddpm_unet_small_converted.pkl"
     path.write_bytes(pickle.dumps(port, protocol=4))
-    port_cfg, port_weights, record = formats.convert(str(path), **UNET_FLAGS)
+    port_cfg, port_weights, record = convert.convert(str(path), **UNET_FLAGS)
     assert record["format"] == "improved_diffusion" and port_cfg == cfg
     for name, value in weights.items():
         np.testing.assert_array_equal(port_weights[name], value, err_msg=name)

@@ -21,9 +21,7 @@ import numpy as np
 
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import read_npz, save_npz
-
-INPUT_SIZE = 299
-FEATURE_DIM = 2048  # pool3 features: FID statistics are mu (2048,) and sigma (2048, 2048)
+from megdiffusion.metrics import FEATURE_DIM, INPUT_SIZE
 
 
 class FIDError(MegdiffusionError):

@@ -26,7 +26,7 @@ import numpy as np
 
 from megdiffusion.cpu.batch_threads import for_batch_chunks
 from megdiffusion.compat import quiet_megengine
-from megdiffusion.metrics.fid import FEATURE_DIM, INPUT_SIZE
+from megdiffusion.metrics import FEATURE_DIM, INPUT_SIZE
 from megdiffusion.cpu import onednn
 from megdiffusion.formats.torch_archive import WeightsError, cached_arrays, read_torch_archive
 

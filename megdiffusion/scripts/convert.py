@@ -14,7 +14,7 @@ from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import VAR_TYPES
 from megdiffusion.diffusion.schedules import SCHEDULES
 from megdiffusion.fileio import check_writable
-from megdiffusion.formats.convert import CHANNEL_ORDERS, FORMATS
+from megdiffusion.formats import CHANNEL_ORDERS, FORMATS
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("format", "auto", ("auto",) + FORMATS, "The checkpoint's format; auto: read from the content.")
@@ -39,7 +39,7 @@ flags.DEFINE_enum("channel_order", None, CHANNEL_ORDERS, "The channel order the 
 
 def main(argv):
     quiet_megengine()
-    from megdiffusion.formats import convert as formats
+    from megdiffusion.formats.convert import convert
     from megdiffusion.training import checkpoint
 
     with one_line_errors(), megengine_failures("nothing was written; rerun the same command"):
@@ -47,9 +47,9 @@ def main(argv):
             raise UsageError(f"expected two arguments, SRC OUT; got {len(argv) - 1}")
         src, out = argv[1:]
         check_writable(out, "OUT", directory=False, overwrite=FLAGS.overwrite)  # before the conversion, not after it
-        cfg, weights, record = formats.convert(src, FLAGS.format, FLAGS.ema, FLAGS.image_size, FLAGS.norm_groups,
-                                               FLAGS.var_type, FLAGS.channel_order, FLAGS.num_heads,
-                                               FLAGS.num_timesteps, FLAGS.beta_schedule)
+        cfg, weights, record = convert(src, FLAGS.format, FLAGS.ema, FLAGS.image_size, FLAGS.norm_groups,
+                                       FLAGS.var_type, FLAGS.channel_order, FLAGS.num_heads, FLAGS.num_timesteps,
+                                       FLAGS.beta_schedule)
         checkpoint.save_checkpoint(out, checkpoint.weights_snapshot(cfg, weights, record))
     count = sum(array.size for array in weights.values())
     print(f"wrote {out}: {record['format']} {record['weights']} of {src} ({record['channel_order'].upper()}), "

@@ -107,7 +107,8 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
     from megdiffusion.images import make_grid, save_png
     from megdiffusion.sampling.jobs import check_sampler, load_model
     from megdiffusion.training.checkpoint import list_checkpoints, load_latest
-    from megdiffusion.training.config import build_diffusion, config_from_flagfile
+    from megdiffusion.training.config import build_diffusion
+    from megdiffusion.cli import config_from_flagfile
     from megdiffusion.training.trainer import train
 
     logdir = os.path.join(output, "train")

@@ -91,7 +91,8 @@ def model_scores(reference_spec, metrics):
 def main(argv):
     paths = argv[1:]
     quiet_megengine()
-    from megdiffusion.metrics.fid import FEATURE_DIM, open_source, save_statistics
+    from megdiffusion.metrics import FEATURE_DIM
+    from megdiffusion.metrics.fid import open_source, save_statistics
 
     with one_line_errors(), megengine_failures("rerun the same command"):
         if FLAGS.num_images is not None and FLAGS.num_images < 2:  # the flags' bounds: cli.parse_into

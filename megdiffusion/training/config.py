@@ -380,19 +380,6 @@ def config_from_flags(flag_values):
     return resolve(TrainConfig(**values))
 
 
-def config_from_flagfile(path, **overrides):
-    """``config_from_flags`` for a flagfile plus overrides (flag name -> value): ``(cfg, images)``."""
-    from absl import flags
-
-    from megdiffusion.cli import parse_into
-
-    flag_values = flags.FlagValues()
-    define_flags(flag_values)
-    parse_into(flag_values, ["megdiffusion", f"--flagfile={path}"] + [as_flag(name, value)
-                                                                      for name, value in overrides.items()])
-    return config_from_flags(flag_values)
-
-
 def resolve(cfg):
     """Load the dataset, fill ``image_size``/``image_channels`` from it and validate: ``(cfg, images)``."""
     from megdiffusion.data.datasets import load_dataset, load_labels
