@@ -82,8 +82,8 @@ def limit_worker_spin():
     """Cap MegEngine's worker busy-wait at ``WORKER_SPIN`` iterations, on machines without a CUDA driver.
 
     On CPU, the fast convolutions do numpy work between MegEngine ops; meanwhile MegEngine's device
-    thread spun for the next op and took most of a core (measured: 1.8 CPU-s in 2.7 s of training, 0.45
-    CPU-s with the cap; a CPU-recipe step went from 0.54 to 0.44 s, native convolutions unchanged).
+    thread spun for the next op and took most of a core; with the cap a CPU-recipe step is faster and native
+    convolutions are unchanged (benchmarks/README.md, "Design choices measured").
     Takes effect only before MegEngine is imported (``import megdiffusion`` calls it), and never overrides
     ``MGB_WORKER_MAX_SPIN`` or ``MGB_WORKER_NO_SLEEP`` set by the user. GPU machines keep the default.
     """
@@ -98,9 +98,8 @@ def idle_event_polling():
     driver: it runs when a core would otherwise idle, and no longer takes time from the process's real work.
 
     MegEngine 1.13 starts it with the first tensor op; it polls the comp nodes' events in rounds 10 us apart for the
-    life of the process (``CompNodeSyncManager::monitor_events``), even when nothing runs: measured 22% of a core,
-    mostly in the kernel, and ~100,000 wake-ups a second. With it idled, a CPU-recipe training step of 16 went from
-    0.147 to 0.095 s, and 0.281 to 0.221 s through MegEngine's autodiff (one process each, same machine). The thread
+    life of the process (``CompNodeSyncManager::monitor_events``), even when nothing runs, taking a good part of a core
+    in wake-ups; with it idled, training steps are faster (benchmarks/README.md, "Design choices measured"). The thread
     only releases finished events' memory, which can wait for an idle moment. GPU machines keep the default.
     """
     if cuda_driver_loadable() or not hasattr(os, "SCHED_IDLE"):

@@ -1,4 +1,4 @@
-"""The UNet outside MegEngine (``nn.numpy_unet``, ``native``, ``group_workers``):
+"""The UNet outside MegEngine (``cpu.numpy_unet``, ``native``, ``group_workers``):
 the same outputs, gradients and training steps as MegEngine's autodiff, and bit-identical on any number of
 processes."""
 import functools

@@ -1,12 +1,11 @@
 """Conv2d used by every convolution of the UNet, computed outside MegEngine on CPUs.
 
-MegEngine's x86 kernel for the convolution *weight* gradient is very slow (measured on 2 cores: 3.8 s
-against 0.16 s for the forward pass of a 64->64 3x3 conv on 16x64x32x32), and its default forward
-kernels were ~1.9x slower than im2col + OpenBLAS on the CPU recipe's shapes. On the fast path the
-convolution is a ``megengine.autodiff.Function`` with two kernels:
+MegEngine's x86 kernel for the convolution *weight* gradient is many times slower than its forward pass, and its default
+forward kernels were slower than im2col + OpenBLAS on the CPU recipe's shapes (benchmarks/README.md, "Design choices
+measured"). On the fast path the convolution is a ``megengine.autodiff.Function`` with two kernels:
 
 - oneDNN's JIT convolutions (``megdiffusion.cpu.onednn``) for kernels larger than 1x1, forward and backward,
-  when the library is installed (2-4x faster than the numpy kernels on the UNet's 3x3 shapes);
+  when the library is installed (faster than the numpy kernels on the UNet's 3x3 shapes);
 - numpy for 1x1 kernels (a plain matmul, where oneDNN's per-call overhead lost) and wherever oneDNN is
   missing: im2col of the input (a strided view, copied per batch chunk), one matmul per sample; weight
   gradient: the same im2col, one matmul per sample with dy, the products summed in batch order; input
@@ -20,9 +19,8 @@ whatever the chunking, so results are bit-identical on any core count. Outputs a
 MegEngine's up to float32 rounding (tests: 1e-5 relative).
 
 In training mode every supported convolution takes the fast path. In eval mode (sampling, the EMA model)
-only the oneDNN kernels do (a batch-16 denoising call of the CPU recipe's model: 0.11-0.13 CPU-seconds
-against 0.18 with MegEngine's forward); 1x1 and numpy-kernel convolutions keep MegEngine's forward, which
-sampled faster than numpy forwards (0.114 s against 0.159 s per call). The ``.numpy()`` calls here used to
+only the oneDNN kernels do (cheaper than MegEngine's forward); 1x1 and numpy-kernel convolutions keep MegEngine's
+forward, which sampled faster than numpy forwards. The ``.numpy()`` calls here used to
 crash MegEngine's interpreter now and then (``insert_candidate: got wrong candidate index``; "an input tensor
 is unusable due to previous error"): a race inside MegEngine between ``Tensor.numpy()`` and its worker thread
 on the DTR candidate list, which ``import megdiffusion`` keeps empty

@@ -1,11 +1,11 @@
-"""Worker processes that compute groups of a batch through ``nn.numpy_unet`` (``megdiffusion.cpu.native``): the loss
+"""Worker processes that compute groups of a batch through ``cpu.numpy_unet`` (``megdiffusion.cpu.native``): the loss
 and gradients of a training step, or the output of an eval-mode call.
 
 A batch is cut into groups of a fixed size (``native.GROUP``); group g runs on process g mod P, process 0 being
-the caller, where P is at most one per core. Processes rather than threads: numpy's many small operations
-hand the GIL to each other, and two threads ran a step only 1.1-1.2x faster than one, where two processes run
-two groups in the time of one. Each group's arithmetic is the same in any process, and the caller sums the
-groups' gradients in group order, so results are bit-identical for any number of processes.
+the caller, where P is at most one per core. Processes rather than threads: numpy's many small operations hand the GIL
+to each other, and two threads ran a step little faster than one, where two processes run two groups in the time of one
+(benchmarks/README.md, "Design choices measured"). Each group's arithmetic is the same in any process, and the caller
+sums the groups' gradients in group order, so results are bit-identical for any number of processes.
 
 The workers run ``python -c`` with this module and never import MegEngine; they receive the ``describe``d network
 once, and per step their groups' inputs through a socket. Weights and gradients, the large arrays, go through

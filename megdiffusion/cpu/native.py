@@ -1,7 +1,7 @@
 """The UNet outside MegEngine on the fast CPU path: training steps (``NativeStep``, in ``Trainer.step``) and
 eval-mode calls (``NativeModel``, in ``generation.generate_images``).
 
-The batch is cut into fixed groups of ``GROUP`` samples; each group's pass (``nn.numpy_unet``) runs in the calling
+The batch is cut into fixed groups of ``GROUP`` samples; each group's pass (``cpu.numpy_unet``) runs in the calling
 process or in a worker process (``group_workers``, one process per core), and the groups' gradients are summed in
 group order, so results are bit-identical on any core count. The training loss is
 ``GaussianDiffusion.training_losses``' for a fixed variance: the mse between the model's output and its target (the
@@ -26,7 +26,7 @@ ENV_VAR = "MEGDIFFUSION_NATIVE_STEP"
 
 
 def enabled():
-    """Whether the next call may run here: the fast CPU path (``nn.conv.fast_conv_enabled``), and
+    """Whether the next call may run here: the fast CPU path (``cpu.conv.fast_conv_enabled``), and
     ``MEGDIFFUSION_NATIVE_STEP`` is not 0."""
     return fast_conv_enabled() and os.environ.get(ENV_VAR, "1").strip() != "0"
 
@@ -98,7 +98,7 @@ class NativeStep:
 
 class NativeModel:
     """``model`` (a ``UNet``) in eval mode, called like it (``native_model(x, t[, y])``, MegEngine tensors in and
-    out) and computed by ``nn.numpy_unet``, with the weights ``model`` had when this was made. ``for_sampling`` says
+    out) and computed by ``cpu.numpy_unet``, with the weights ``model`` had when this was made. ``for_sampling`` says
     when to use one; ``close()`` stops its worker processes."""
 
     def __init__(self, model):

@@ -1,19 +1,19 @@
-"""2-D convolutions on oneDNN's x86 JIT kernels, through its C API (ctypes): the CPU kernels of ``nn.conv``.
+"""2-D convolutions on oneDNN's x86 JIT kernels, through its C API (ctypes): the CPU kernels of ``cpu.conv``.
 
 oneDNN comes from the ``onednn-cpu-gomp`` wheel (``libdnnl.so.3`` in the environment's ``lib/``, GNU OpenMP
-threading). Its JIT convolutions (AVX2/AVX-512, blocked layouts) were 2-4x faster than im2col + OpenBLAS on
-the UNet's shapes; ``available()`` is False where the library is missing or does not load, and ``nn.conv``
+threading). Its JIT convolutions (AVX2/AVX-512, blocked layouts) were faster than im2col + OpenBLAS on
+the UNet's shapes; ``available()`` is False where the library is missing or does not load, and ``cpu.conv``
 then keeps its numpy kernels.
 
 Determinism: the batch is cut into fixed groups of ``GROUP`` samples, whatever the number of threads; each
-group is one primitive execution on one OpenMP thread (the calling thread; ``nn.conv`` runs groups in
+group is one primitive execution on one OpenMP thread (the calling thread; ``cpu.conv`` runs groups in
 parallel on ``batch_threads``), and the weight and bias gradients of the groups are summed in group order.
 So results are bit-identical on any core count, and the same from run to run on one machine.
 
 Memory layouts: weights are OIHW, activations NCHW, or NHWC with ``channels_last`` (the numpy training pass of
-``nn.numpy_unet``). For NCHW the primitives are created with layout "any" (oneDNN picks its blocked formats) and
-reorders convert in and out; NHWC activations are used as they are (no reorders: measured 1.0 against 1.8 ms for
-a 16->16 channel 3x3 convolution's forward and backward at 28x28, batch 8, and no slower on the UNet's other shapes).
+``cpu.numpy_unet``). For NCHW the primitives are created with layout "any" (oneDNN picks its blocked formats) and
+reorders convert in and out; NHWC activations are used as they are: without the reorders they were faster
+(benchmarks/README.md, "Design choices measured").
 
 ``InferenceConv`` is the forward alone (oneDNN's inference primitive, with a ReLU post-op) on NHWC activations, for
 the FID Inception's CPU route.
@@ -371,7 +371,7 @@ def conv2d_backward(x, weight, dy, stride, padding, bias, run_groups, group=GROU
             plan.dw_out(dw_blocked, out=dw_part)
 
     run_groups(len(groups), work)
-    # A sum over the leading axis adds the rows one after the other, as nn.conv sums per-sample products.
+    # A sum over the leading axis adds the rows one after the other, as cpu.conv sums per-sample products.
     return dx, dws.sum(axis=0), dbs.sum(axis=0) if bias else None
 
 

@@ -47,8 +47,8 @@ def group_norm(channels, groups=NORM_GROUPS, eps=NORM_EPS):
 
 
 def silu(x):
-    """Swish/SiLU, x * sigmoid(x). Written out: on CPU it measured ~12% faster per training step of the
-    CPU recipe than ``F.silu`` (forward plus backward), with the same values up to rounding."""
+    """Swish/SiLU, x * sigmoid(x). Written out: on CPU a training step was faster than with ``F.silu`` (forward
+    plus backward), with the same values up to rounding (benchmarks/README.md, "Design choices measured")."""
     return x * F.sigmoid(x)
 
 

@@ -9,8 +9,7 @@ FID scoring (``evaluate``) and ``sampling``. On the fast CPU path the network ru
 Autoguidance (Karras et al. 2024, "Guiding a diffusion model with a bad version of itself"): the prediction at
 each step is bad + w (good - bad), where the bad model is a weaker version of the good one with the same kinds of
 error, such as an earlier checkpoint of the same run; w = 1 is the good model alone. It costs a second network
-call per step. On the CPU recipe, with the half-way checkpoint as the bad model, it took FID from 66.2 to 54.9 at
-45,000 training images (benchmarks/README.md, "Autoguidance").
+call per step; its effect on the CPU recipe is in benchmarks/README.md ("Autoguidance").
 """
 import contextlib
 import functools

@@ -44,19 +44,18 @@ flags.DEFINE_integer("num_reference", 1000, "Embedded images (the first N) whose
                      "reference; computed once and kept in --output.")
 flags.DEFINE_enum("sampler", None, SAMPLERS, "Sampler for the grid and FID samples (default: the recipe's "
                   "--sample_sampler).")
-# 100 steps: 2.9 and 3.8 FID better than 50 on the recipe's 45,000-image checkpoints of seeds 0 and 1, for ~70 s
-# more scoring; 200 gained nothing more on an earlier checkpoint (benchmarks/README.md, "The CPU recipe").
+# 100 steps: clearly better FID than 50 for a minute more of scoring; 200 gained nothing
+# (benchmarks/README.md, "Design choices measured").
 flags.DEFINE_integer("steps", 100, "Sampling steps for the grid and FID samples.")
 define_solver_flags()
 flags.DEFINE_integer("batch_size", 100, "Sampling and Inception batch size.")
-# Autoguidance on the recipe's 45,000-image checkpoint, DDPM-50: 66.2 unguided; with the guide at half the steps
-# 60.1, 55.9, 54.9 and 55.0 for w 1.5, 2, 2.5 and 3 (benchmarks/README.md, "Autoguidance").
+# 2.5: the best of the weights tried on the recipe's checkpoints (benchmarks/README.md, "Design choices measured").
 flags.DEFINE_float("guidance", 2.5, "Autoguidance weight: samples are guided by the model 40% of the way through "
                    "the training (Karras et al. 2024); 1 turns it off.", lower_bound=1.0)
 
 MARKER = "demo.json"
 GUIDE = "guide.pkl"  # the checkpoint GUIDE_FRACTION of the way to the final step (``guide_fraction``)
-# Where the guide is taken (DDPM-50, w 2.5, 45,000 images): at 25% of the steps FID 55.2, 37% 51.9, 50% 54.9, 75% 61.7.
+# Where the guide is taken: near the best of the fractions tried (benchmarks/README.md, "Design choices measured").
 GUIDE_FRACTION = 0.4
 KEPT_ON_RESTART = ("cache", "reference")
 CLOSE_TO_FLOOR = 1.5  # an FID within this factor of the real-data floor: "close to the data" (issue 18's goal)
