@@ -4,7 +4,7 @@
 #     (tests/test_step_options.py: mixed precision, micro-batches, ranks, tracing), here on the GPU;
 #  2. the DDPM paper's CIFAR-10 network at batch 128 (benchmarks/gpu_step.py): eager fp32, --trace, --amp,
 #     --amp --trace, --microbatch 32, and the training command on 1 GPU and, with two or more, on 2.
-# Step 2 prints one JSON line per row (README, "GPUs": how to read them); paste them into an issue.
+# Step 2 prints one JSON line per row (docs/gpus.md: how to read them); paste them into an issue.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
