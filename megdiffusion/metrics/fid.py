@@ -1,6 +1,6 @@
 """Frechet Inception Distance, following the TTUR / pytorch-fid protocol.
 
-Protocol (see the README's "FID"):
+Protocol (see docs/evaluation.md):
 - network: the TF Inception-v3 "2015-12-05" graph, pool3 features (``megdiffusion.metrics.inception``);
 - input: RGB uint8; grayscale repeated to 3 channels; bilinear resize to 299x299 with
   ``align_corners=False`` semantics and no antialiasing (pytorch-fid's ``F.interpolate``), done on the
