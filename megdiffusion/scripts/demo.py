@@ -9,8 +9,8 @@ Everything goes under --output, and only after every input has been checked. Wit
 demo there is replaced (training starts clean; the cached Inception weights and reference statistics are
 kept); with --resume training continues from its last checkpoint for another --minutes (or --images). The
 budget is time by default; --images N trains N images (rounded up to whole batches) whatever the machine's speed,
-the budget in which docs/training.md states its figures. A directory that holds other files is refused, and so is one another demo is writing in. Ctrl-C stops the whole demo (after
-a checkpoint, when it comes during training).
+the budget in which docs/training.md states its figures. A directory that holds other files is refused, and so
+is one another demo is writing in. Ctrl-C stops the whole demo (after a checkpoint, when it comes during training).
 """
 import dataclasses
 import json
