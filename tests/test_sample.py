@@ -177,7 +177,7 @@ def test_interrupted_run_resumes_to_the_same_images(loaded, tmp_path, monkeypatc
     sampling.sample_to_directory(*args, tmp_path / "straight", 12, seed=3, batch_size=4, progress=False)
 
     written = []
-    real_save = sampling.save_png
+    real_save = jobs.save_png
 
     def save_then_crash(path, image):
         if len(written) == 6:  # mid-way through the second batch
