@@ -24,7 +24,7 @@ setup(
     install_requires=["megengine>=1.9", "numpy<2", "absl-py", "tqdm", "pillow", "threadpoolctl>=3",
                       "onednn-cpu-gomp==2023.2.0; sys_platform == 'linux' and platform_machine == 'x86_64'"],
     extras_require={
-        "dev": ["pytest", "scipy", "wheel", "ruff>=0.17,<0.18"],
+        "dev": ["pytest", "pytest-xdist==3.8.0", "scipy", "wheel", "ruff>=0.17,<0.18"],
         "tensorboard": ["tensorboardX"],
         # benchmarks/vs_pytorch.py's PyTorch twin only; megdiffusion never imports torch.
         "bench": ["torch"],

@@ -5,4 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
-exec .venv/bin/python -m pytest "$@"
+# One worker per core (pytest-xdist), each test file on one worker: files keep module-level state (the conformance
+# tests' record of what they checked), and the suite's subprocess-heavy files run beside the others.
+exec .venv/bin/python -m pytest -n auto --dist loadfile "$@"
