@@ -69,3 +69,15 @@ def test_the_numpy_route_gives_the_same_features_on_any_number_of_threads():
     x = preprocess(images)
     one_by_one = [net(x[start:start + inception.GROUP]) for start in range(0, len(x), inception.GROUP)]
     np.testing.assert_array_equal(net(x), np.concatenate(one_by_one))
+
+
+@pytest.mark.parametrize("kind, size, stride, padding", [("max", 3, 2, 0), ("max", 3, 1, 1), ("average", 3, 1, 1)])
+def test_onednn_pools_equal_the_numpy_pools(kind, size, stride, padding, monkeypatch):
+    if not onednn.available():
+        pytest.skip("oneDNN does not load here")
+    x = np.random.default_rng(5).standard_normal((3, 17, 16, 7)).astype(np.float32)
+    got = onednn.InferencePool(kind, size, stride, padding)(x)
+    monkeypatch.setattr(onednn, "available", lambda: False)  # the numpy pools
+    expected = inception.max_pool(x, size, stride, padding) if kind == "max" else inception.avg_pool_3x3(x)
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)

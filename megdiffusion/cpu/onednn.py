@@ -35,6 +35,7 @@ _TAG_ANY, _TAG_A, _TAG_NCHW = 1, 2, 5  # dnnl_format_tag_t: any, a (1-D), nchw (
 _TAG_NHWC = b"acdb"  # by name (dnnl_memory_desc_create_with_string_tag): dims n, c, h, w stored as n, h, w, c
 _FORWARD_TRAINING, _FORWARD_INFERENCE, _CONVOLUTION_DIRECT = 64, 96, 1
 _ELTWISE_RELU = 0x20  # dnnl_alg_kind_t in oneDNN 3 (0x1f in 1.x)
+_POOLING = {"max": 0x1FF, "average": 0x3FF}  # dnnl_pooling_max, dnnl_pooling_avg_exclude_padding
 _SCRATCHPAD_MODE_USER = 1
 _QUERY_SCRATCHPAD_MD = 136
 _QUERY = {"src": 129, "diff_src": 130, "weights": 131, "diff_weights": 132, "dst": 133, "diff_dst": 134}
@@ -70,6 +71,8 @@ _SIGNATURES = {
     "dnnl_convolution_backward_weights_primitive_desc_create": [ctypes.POINTER(_ptr), _ptr, ctypes.c_int, _ptr,
                                                                  _ptr, _ptr, _ptr, _Dims, _Dims, _Dims, _Dims,
                                                                  _ptr, _ptr],
+    "dnnl_pooling_forward_primitive_desc_create": [ctypes.POINTER(_ptr), _ptr, ctypes.c_int, ctypes.c_int, _ptr, _ptr,
+                                                    _Dims, _Dims, _Dims, _Dims, _Dims, _ptr],
     "dnnl_reorder_primitive_desc_create": [ctypes.POINTER(_ptr), _ptr, _ptr, _ptr, _ptr, _ptr],
     "dnnl_primitive_desc_query_md": [_ptr, ctypes.c_int, ctypes.c_int],
     "dnnl_primitive_create": [ctypes.POINTER(_ptr), _ptr],
@@ -387,40 +390,56 @@ def _relu_attr():
     return attr
 
 
-class InferenceConv:
-    """relu(conv2d(x, weight) + bias) for inference (no gradients), on NHWC float32 activations as they are.
+class _Inference:
+    """A forward-only primitive on NHWC float32 activations as they are, one per input shape, created once (on the
+    first thread that meets it, planned for one OpenMP thread); calls may come from several threads at once, each
+    running on its own stream. Subclasses make the primitive (``_create``)."""
 
-    ``weight`` OIHW, ``bias`` (O,). The primitive of each input shape is created once (on the first thread that
-    meets it, planned for one OpenMP thread) with the weights reordered once into the layout it prefers; calls
-    may come from several threads at once, each running on its own stream.
-    """
-
-    def __init__(self, weight, bias, stride, padding):
-        self.weight = np.ascontiguousarray(weight, np.float32)
-        self.bias = np.ascontiguousarray(bias, np.float32)
-        self.stride, self.padding = tuple(stride), tuple(padding)
+    def __init__(self):
         self._plans = {}
 
     def _plan(self, shape):
         with _plans_lock:
             plan = self._plans.get(shape)
             if plan is None:
+                _stream()  # primitives are planned for the OpenMP setting of the thread that creates them
                 plan = self._plans[shape] = self._create(shape)
         return plan
+
+    def __call__(self, x):
+        """The NHWC output for the C-contiguous NHWC float32 array ``x``."""
+        primitive, x_desc, y_desc, y_shape, args = self._plan(x.shape)
+        y = np.empty(y_shape, np.float32)
+        primitive({**args, ARG_SRC: (x_desc, x), ARG_DST: (y_desc, y)})
+        return y
+
+
+def _geometry(hw, kernel, stride, padding):
+    """(output height and width, right/bottom padding) of a window of ``kernel`` over ``hw``."""
+    out_hw = tuple((size + 2 * p - k) // s + 1 for size, k, s, p in zip(hw, kernel, stride, padding))
+    right = [_right_padding(size, k, s, p, out) for size, k, s, p, out in zip(hw, kernel, stride, padding, out_hw)]
+    return out_hw, right
+
+
+class InferenceConv(_Inference):
+    """relu(conv2d(x, weight) + bias) for inference (no gradients), ``weight`` OIHW and ``bias`` (O,); the weights
+    are reordered once per primitive into the layout it prefers."""
+
+    def __init__(self, weight, bias, stride, padding):
+        super().__init__()
+        self.weight = np.ascontiguousarray(weight, np.float32)
+        self.bias = np.ascontiguousarray(bias, np.float32)
+        self.stride, self.padding = tuple(stride), tuple(padding)
 
     def _create(self, shape):
         global _relu
         n, h, w, c = shape
-        o, _, kh, kw = self.weight.shape
-        out_hw = tuple((size + 2 * p - k) // s + 1 for size, k, s, p in zip((h, w), (kh, kw), self.stride,
-                                                                            self.padding))
+        o = self.weight.shape[0]
+        out_hw, right = _geometry((h, w), self.weight.shape[2:], self.stride, self.padding)
         x_desc, y_desc = _desc((n, c, h, w), _TAG_NHWC), _desc((n, o) + out_hw, _TAG_NHWC)
         b_desc = _desc((o,), _TAG_A)
-        right = [_right_padding(size, k, s, p, out) for size, k, s, p, out in
-                 zip((h, w), (kh, kw), self.stride, self.padding, out_hw)]
         if _relu is None:
             _relu = _relu_attr()
-        _stream()  # primitives are planned for the OpenMP setting of the thread that creates them
         desc = _ptr()
         _call("dnnl_convolution_forward_primitive_desc_create", ctypes.byref(desc), _state.engine, _FORWARD_INFERENCE,
               _CONVOLUTION_DIRECT, x_desc, _desc(self.weight.shape, _TAG_ANY), b_desc, y_desc, _Dims(*self.stride),
@@ -431,12 +450,25 @@ class InferenceConv:
         args = {ARG_WEIGHTS: (w_desc, weights), ARG_BIAS: (b_desc, self.bias)}
         return primitive, x_desc, y_desc, (n,) + out_hw + (o,), args
 
-    def __call__(self, x):
-        """The NHWC output for the C-contiguous NHWC float32 array ``x``."""
-        primitive, x_desc, y_desc, y_shape, args = self._plan(x.shape)
-        y = np.empty(y_shape, np.float32)
-        primitive({**args, ARG_SRC: (x_desc, x), ARG_DST: (y_desc, y)})
-        return y
+
+class InferencePool(_Inference):
+    """``size`` x ``size`` pooling with ``stride`` and ``padding``: ``kind`` "max" (padding never wins) or "average"
+    (the padding not counted)."""
+
+    def __init__(self, kind, size, stride, padding=0):
+        super().__init__()
+        self.kind, self.size, self.stride, self.padding = kind, size, stride, padding
+
+    def _create(self, shape):
+        n, h, w, c = shape
+        kernel, stride, padding = (self.size,) * 2, (self.stride,) * 2, (self.padding,) * 2
+        out_hw, right = _geometry((h, w), kernel, stride, padding)
+        x_desc, y_desc = _desc((n, c, h, w), _TAG_NHWC), _desc((n, c) + out_hw, _TAG_NHWC)
+        desc = _ptr()
+        _call("dnnl_pooling_forward_primitive_desc_create", ctypes.byref(desc), _state.engine, _FORWARD_INFERENCE,
+              _POOLING[self.kind], x_desc, y_desc, _Dims(*stride), _Dims(*kernel), _Dims(0, 0), _Dims(*padding),
+              _Dims(*right), _state.attr)
+        return _Primitive(desc), x_desc, y_desc, (n,) + out_hw + (c,), {}
 
 
 _relu = None

@@ -13,7 +13,8 @@ layer is an 8x8 average pool. Input: float32 NCHW RGB 299x299 in (x_uint8 - 128)
 Two routes compute the same features. ``fast_cpu=False`` runs MegEngine's operators on NCHW tensors (the route for
 GPUs). The CPU route runs numpy NHWC arrays with each ``conv + batch norm + ReLU`` as one oneDNN inference
 convolution (``megdiffusion.cpu.onednn.InferenceConv``: batch norm folded into the weights and bias, ReLU as a
-post-op, activations used as they are), or im2col and one numpy matrix product where oneDNN does not load. It
+post-op, activations used as they are) and its pools as oneDNN pooling primitives; where oneDNN does not load,
+im2col and one numpy matrix product, and numpy pools. It
 takes the batch through the whole network in fixed groups of ``GROUP`` images, one group per batch thread at a
 time, so the features do not depend on the number of threads. All routes are tested against the TorchScript
 original.
@@ -181,9 +182,19 @@ def _sliding(x, size, stride, padding, pad_value):
             for i in range(size) for j in range(size)]
 
 
+_POOLS = {}  # (kind, size, stride, padding) -> onednn.InferencePool
+
+
+def _onednn_pool(kind, size, stride, padding):
+    key = (kind, size, stride, padding)
+    return _POOLS.get(key) or _POOLS.setdefault(key, onednn.InferencePool(kind, size, stride, padding))
+
+
 def max_pool(x, size, stride, padding=0):
-    """Max pool (padding never wins) on a MegEngine NCHW tensor or a numpy NHWC array."""
+    """Max pool (padding never wins) on a MegEngine NCHW tensor or a numpy NHWC array (on oneDNN where it loads)."""
     if isinstance(x, np.ndarray):
+        if onednn.available():
+            return _onednn_pool("max", size, stride, padding)(x)
         return np.maximum.reduce(_sliding(x, size, stride, padding, -np.inf))
     return F.max_pool2d(x, size, stride, padding)
 
@@ -191,6 +202,8 @@ def max_pool(x, size, stride, padding=0):
 def avg_pool_3x3(x):
     """3x3 stride-1 average pool with padding 1 that does not count the padding."""
     if isinstance(x, np.ndarray):
+        if onednn.available():
+            return _onednn_pool("average", 3, 1, 1)(x)
         total = np.add.reduce(_sliding(x, 3, 1, 1, 0.0))
         ones = np.ones((1,) + x.shape[1:3] + (1,), np.float32)
         count = np.add.reduce(_sliding(ones, 3, 1, 1, 0.0))
