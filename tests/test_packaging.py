@@ -1,4 +1,6 @@
-"""The wheel carries everything a `pip install` user needs: scripts, configs and the embedded data."""
+"""The wheel carries everything a `pip install` user needs: scripts, configs and the embedded data; the package's
+modules import each other without cycles, and the names users import keep working."""
+import ast
 import subprocess
 import sys
 import zipfile
@@ -26,7 +28,7 @@ def test_wheel_contains_scripts_configs_and_data(wheel):
         assert f"megdiffusion/configs/{config}.cfg" in wheel
     embedded = ROOT / "megdiffusion/data/assets/t10k-images-idx3-ubyte.gz"
     assert wheel["megdiffusion/data/assets/t10k-images-idx3-ubyte.gz"] == embedded.read_bytes()
-    for package in ("nn", "diffusion", "data", "training", "metrics", "scripts"):
+    for package in ("nn", "diffusion", "data", "training", "metrics", "scripts", "cpu", "formats", "sampling"):
         assert f"megdiffusion/{package}/__init__.py" in wheel
 
 
@@ -52,3 +54,48 @@ def test_scripts_print_their_flags(script, flag):
     result = subprocess.run([sys.executable, "-m", f"megdiffusion.scripts.{script}", "--help"],
                             capture_output=True, text=True, timeout=120)
     assert flag in result.stdout, result.stderr  # (absl exits with 1 after --help)
+
+
+def _module_imports():
+    """{module: the package's modules it imports anywhere in its code}; ``from package import name`` counts as
+    importing the submodule ``package.name`` when there is one, else the package."""
+    files = {}
+    for path in (ROOT / "megdiffusion").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for module, path in files.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                submodules = {f"{node.module}.{alias.name}" for alias in node.names} & set(files)
+                targets.update(submodules or {node.module})
+        graph[module] = {target for target in targets if target in files and target != module}
+    return graph
+
+
+def test_no_module_imports_itself_through_others():
+    graph = _module_imports()
+    state = {}
+
+    def visit(module, path):
+        state[module] = "open"
+        for target in sorted(graph[module]):
+            assert state.get(target) != "open", f"import cycle: {' -> '.join(path + [target])}"
+            if target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_the_names_users_import_keep_working():
+    code = ("from megdiffusion.nn import UNet; from megdiffusion import diffusion, training, sampling; "
+            "from megdiffusion.sampling import load_model, read_samples; import megdiffusion.scripts.train; "
+            "from megdiffusion import GaussianDiffusion; assert callable(sampling.load_model)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
