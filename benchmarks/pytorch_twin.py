@@ -290,7 +290,7 @@ class Schedule:
 
 
 class TwinTrainer:
-    """``Trainer.step`` of one process: same t, noise and dropout seed from ``default_rng([seed, 0, step])``,
+    """``Trainer.step`` of one process: same t and noise, sample i's from ``default_rng([seed, step, i, 0])``,
     per-image MSE on the noise, its batch mean, backward, global-norm clip, Adam (warmed-up lr), EMA."""
 
     def __init__(self, cfg, betas, weights):
@@ -316,10 +316,13 @@ class TwinTrainer:
     def step(self, x0):
         """One update on ``x0`` (float32 NCHW numpy): {"loss", "grad_norm", "lr"}."""
         cfg, schedule = self.cfg, self.schedule
-        rng = np.random.default_rng([cfg["seed"], 0, self.step_count])
-        t = torch.from_numpy(rng.integers(0, cfg["num_timesteps"], size=len(x0)).astype(np.int64))
-        noise = torch.from_numpy(rng.standard_normal(x0.shape, dtype=np.float32))
-        torch.manual_seed(int(rng.integers(2 ** 31)))
+        t, noise = np.empty(len(x0), np.int64), np.empty(x0.shape, np.float32)
+        for i in range(len(x0)):  # sample i draws from its own generator, whatever the batch's cut
+            rng = np.random.default_rng([cfg["seed"], self.step_count, i, 0])
+            t[i] = rng.integers(0, cfg["num_timesteps"])
+            noise[i] = rng.standard_normal(x0.shape[1:], dtype=np.float32)
+        t, noise = torch.from_numpy(t), torch.from_numpy(noise)
+        torch.manual_seed(int(np.random.default_rng([cfg["seed"], self.step_count, 0, 1]).integers(2 ** 31)))
         lr = self.lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
