@@ -19,7 +19,7 @@ import types
 
 import numpy as np
 
-from megdiffusion.cpu import onednn
+from megdiffusion.cpu import fused, onednn
 from megdiffusion.nn.options import NO_CLASS
 
 
@@ -132,7 +132,27 @@ class _Layers:
 
         return np.where(known[:, None], self.w(module.weight)[np.where(known, labels, 0)], 0), backward
 
-    def group_norm(self, module, x):
+    def norm(self, module, x, silu, shift=None):
+        """``module`` (a GroupNorm) on ``x + shift`` (``shift`` (N, C), added at every position; None: nothing),
+        then SiLU when ``silu``: (output, backward), backward(dy) -> (dx, d shift or None). Compiled
+        (``cpu.fused``) where numba runs, else numpy."""
+        n, c = len(x), x.shape[-1]
+        gamma, beta = self.w(module.weight).reshape(-1), self.w(module.bias).reshape(-1)
+        if not fused.available():
+            return self._numpy_norm(module, x, silu, shift, gamma, beta)
+        rows = np.ascontiguousarray(x).reshape(n, -1, c)
+        shift_rows = np.zeros((n, c), np.float32) if shift is None else np.ascontiguousarray(shift, np.float32)
+        y, mean, rstd = fused.norm_forward(rows, shift_rows, gamma, beta, module.num_groups, module.eps, silu)
+
+        def backward(dy):
+            dx, dshift = fused.norm_backward(rows, shift_rows, np.ascontiguousarray(dy).reshape(rows.shape), gamma,
+                                             beta, mean, rstd, module.num_groups, silu,
+                                             self.grads[module.weight].reshape(-1), self.grads[module.bias].reshape(-1))
+            return dx.reshape(x.shape), None if shift is None else dshift
+
+        return y.reshape(x.shape), backward
+
+    def _numpy_norm(self, module, x, silu, shift, gamma, beta):
         n, c = len(x), x.shape[-1]
         groups = module.num_groups
         count = np.float32(x.size // (n * groups))  # values per (sample, group)
@@ -144,23 +164,29 @@ class _Layers:
             return channel_sums.reshape(n, groups, -1).sum(axis=2) / count
 
         normed = x.reshape(n, -1, c)  # (n, h * w, c)
+        if shift is not None:
+            normed = normed + shift[:, None, :]
         normed = normed - per_channel(group_mean(normed.sum(axis=1)))
         variance = group_mean(np.einsum("npc,npc->nc", normed, normed))
         rstd = per_channel(1.0 / np.sqrt(variance + np.float32(module.eps)))
         normed *= rstd
-        gamma, beta = self.w(module.weight), self.w(module.bias)
         y = normed * gamma
         y += beta
+        silu_back = None
+        if silu:
+            y, silu_back = self.silu(y)
 
         def backward(dy):
             dy = dy.reshape(normed.shape)
+            if silu_back is not None:
+                dy = silu_back(dy)
             self.add_grad(module.weight, np.einsum("npc,npc->c", dy, normed))
             self.add_grad(module.bias, dy.sum(axis=(0, 1)))
             dnormed = dy * gamma
             dx = dnormed - per_channel(group_mean(dnormed.sum(axis=1)))
             dx -= normed * per_channel(group_mean(np.einsum("npc,npc->nc", dnormed, normed)))
             dx *= rstd
-            return dx.reshape(x.shape)
+            return dx.reshape(x.shape), None if shift is None else dx.sum(axis=1)
 
         return y.reshape(x.shape), backward
 
@@ -181,25 +207,20 @@ class _Layers:
 
         return x * sig, backward
 
-    def norm_silu(self, module, x):
-        h, norm_back = self.group_norm(module, x)
-        y, silu_back = self.silu(h)
-        return y, lambda dy: norm_back(silu_back(dy))
-
     def res_block(self, block, x, temb_act):
         """``ResBlock`` on x given SiLU(temb): (output, backward(dy) -> (dx, d SiLU(temb)))."""
-        h, back1 = self.norm_silu(block.norm1, x)
+        h, back1 = self.norm(block.norm1, x, silu=True)
         h, back2 = self.conv(block.conv1, h)
         emb, back3 = self.linear(block.temb_proj, temb_act)
-        h, back4 = self.norm_silu(block.norm2, h + emb[:, None, None, :])
+        h, back4 = self.norm(block.norm2, h, silu=True, shift=emb)
         h, dropout_back = self.dropout(block.dropout.drop_prob, h)
         h, back5 = self.conv(block.conv2, h)
         skip, back6 = self.conv(block.skip, x) if block.skip is not None else (x, None)
 
         def backward(dy):
-            dh = back4(dropout_back(back5(dy)))
-            dtemb = back3(dh.sum(axis=(1, 2)))
-            dx = back1(back2(dh))
+            dh, demb = back4(dropout_back(back5(dy)))
+            dtemb = back3(demb)
+            dx = back1(back2(dh))[0]
             dx += dy if back6 is None else back6(dy)
             return dx, dtemb
 
@@ -225,7 +246,7 @@ class _Layers:
         def from_heads(a):
             return a.reshape(n, heads, positions, d).transpose(0, 2, 1, 3).reshape(n, positions, c)
 
-        h, norm_back = self.group_norm(attn.norm, x)
+        h, norm_back = self.norm(attn.norm, x, silu=False)
         rows = h.reshape(-1, c)
         projections = (attn.q, attn.k, attn.v)
         w_qkv = np.concatenate([self.w(p.weight).reshape(c, c) for p in projections])
@@ -233,11 +254,14 @@ class _Layers:
         qkv = rows @ w_qkv.T
         qkv += b_qkv
         q, k, v = (to_heads(qkv[:, i * c:(i + 1) * c].reshape(n, positions, c)) for i in range(3))
-        logits = q @ k.transpose(0, 2, 1)  # (n * heads, query, key)
-        logits *= scale
-        logits -= logits.max(axis=2, keepdims=True)
-        weights = np.exp(logits)
-        weights /= weights.sum(axis=2, keepdims=True)
+        weights = q @ k.transpose(0, 2, 1)  # (n * heads, query, key): the logits, made softmax(logits * scale)
+        if fused.available():
+            fused.softmax_rows(weights.reshape(-1, positions), scale)
+        else:
+            weights *= scale
+            weights -= weights.max(axis=2, keepdims=True)
+            np.exp(weights, out=weights)
+            weights /= weights.sum(axis=2, keepdims=True)
         mixed = from_heads(weights @ v).reshape(x.shape)
         out, proj_back = self.conv(attn.proj_out, mixed)
 
@@ -256,7 +280,7 @@ class _Layers:
             for i, p in enumerate(projections):
                 self.add_grad(p.weight, dw[i * c:(i + 1) * c])
                 self.add_grad(p.bias, db[i * c:(i + 1) * c])
-            dx = norm_back((dqkv @ w_qkv).reshape(x.shape))
+            dx = norm_back((dqkv @ w_qkv).reshape(x.shape))[0]
             dx += dy
             return dx
 
@@ -321,7 +345,7 @@ def unet_forward(model, weights, grads, x, temb_in, labels=None, rng=None):
         if level.upsample is not None:
             h, back = layers.upsample(level.upsample, h)
             ups.append(back)
-    h, out_back = layers.norm_silu(model.norm_out, h)
+    h, out_back = layers.norm(model.norm_out, h, silu=True)
     out, conv_back = layers.conv(model.conv_out, h)
 
     def backward(dout):
@@ -333,7 +357,7 @@ def unet_forward(model, weights, grads, x, temb_in, labels=None, rng=None):
             dtemb_act[...] += dtemb
             return dh
 
-        dh = out_back(conv_back(dout))
+        dh = out_back(conv_back(dout))[0]
         dskips = []  # gradients of hs, last first
         for up in reversed(ups):
             if callable(up):
