@@ -22,7 +22,10 @@ setup(
     python_requires=">=3.8,<3.11",
     # oneDNN's JIT convolutions for CPU training (megdiffusion.cpu.onednn); elsewhere the numpy kernels run.
     install_requires=["megengine>=1.9", "numpy<2", "absl-py", "tqdm", "pillow", "threadpoolctl>=3",
-                      "onednn-cpu-gomp==2023.2.0; sys_platform == 'linux' and platform_machine == 'x86_64'"],
+                      "onednn-cpu-gomp==2023.2.0; sys_platform == 'linux' and platform_machine == 'x86_64'",
+                      # The numpy pass's GroupNorm, SiLU and softmax kernels (megdiffusion.cpu.fused); without it the
+                      # numpy layers run.
+                      "numba==0.61.2", "llvmlite==0.44.0"],
     extras_require={
         "dev": ["pytest", "pytest-xdist==3.8.0", "scipy", "wheel", "ruff>=0.17,<0.18"],
         "tensorboard": ["tensorboardX"],

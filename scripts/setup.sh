@@ -30,6 +30,8 @@ import platform, sys
 from megdiffusion.cpu import onednn
 if sys.platform == "linux" and platform.machine() == "x86_64":
     assert onednn.available(), "oneDNN (onednn-cpu-gomp) missing or not loadable (needs libgomp1)"
+from megdiffusion.cpu import fused
+assert fused.available(), "numba missing or not importable (the CPU path's compiled kernels)"
 PY
 }
 

@@ -10,6 +10,7 @@ value at a time, 17x slower here, unless Intel's SVML runtime (~180 MB) is insta
 then keeps its numpy layers, which the tests hold these kernels to.
 """
 import os
+import sys
 import warnings
 
 import numpy as np
@@ -18,19 +19,29 @@ import numpy as np
 # module-level np.finfo calls warn that subnormals are zero. Nothing here depends on subnormals.
 warnings.filterwarnings("ignore", message="The value of the smallest subnormal", category=UserWarning)
 
-try:
-    if os.environ.get("MEGDIFFUSION_NUMBA", "1").strip() == "0":
-        raise ImportError("MEGDIFFUSION_NUMBA=0")
-    from llvmlite import ir
-    from numba import njit, types
-    from numba.extending import intrinsic
-except ImportError:  # numba missing, or turned off: the numpy layers run
-    njit = None
+_missing = None  # why numba did not import, when it was wanted
+njit = None
+if os.environ.get("MEGDIFFUSION_NUMBA", "1").strip() != "0":
+    try:
+        from llvmlite import ir
+        from numba import njit, types
+        from numba.extending import intrinsic
+    except ImportError as error:  # the numpy layers run
+        _missing = error
 
 
 def available():
     """Whether the compiled kernels can run (numba imported; ``MEGDIFFUSION_NUMBA=0`` turns them off)."""
     return njit is not None
+
+
+def note_if_missing():
+    """Print, once per process, a one-line note when numba was wanted but did not import."""
+    global _missing
+    if _missing is not None:
+        print(f"note: numba did not import ({_missing}); the CPU path's GroupNorm, SiLU and softmax run in numpy, "
+              "slower ('pip install numba==0.61.2' restores them)", file=sys.stderr)
+        _missing = None
 
 
 if njit is not None:

@@ -15,7 +15,7 @@ import numpy as np
 from megdiffusion.cpu.batch_threads import THREADS
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.cpu.group_workers import GroupWorkers
-from megdiffusion.cpu import numpy_unet
+from megdiffusion.cpu import fused, numpy_unet
 from megdiffusion.cpu.conv import fast_conv_enabled
 from megdiffusion.nn.layers import timestep_embedding
 
@@ -62,6 +62,7 @@ class NativeStep:
 
     def __init__(self, model, diffusion, params):
         self.model = numpy_unet.describe(model, params)
+        fused.note_if_missing()
         self.diffusion = diffusion
         self.shapes = [tuple(p.shape) for p in params]
         self.coefficients = {name: getattr(diffusion, name).astype(np.float32) for name in
@@ -104,6 +105,7 @@ class NativeModel:
     def __init__(self, model):
         params = list(model.parameters())
         self.model = numpy_unet.describe(model, params)
+        fused.note_if_missing()
         self.shapes = [tuple(p.shape) for p in params]
         self.weights = np.concatenate([p.numpy().reshape(-1) for p in params])
         self.workers = None
