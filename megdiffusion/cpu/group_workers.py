@@ -12,6 +12,7 @@ once, and per step their groups' inputs through a socket. Weights and gradients,
 files mapped into every process (in ``/dev/shm`` where it exists), unlinked as soon as the workers have mapped
 them. A worker exits when the caller closes its socket (``close``, or the caller's exit).
 """
+import ctypes
 import os
 import socket
 import subprocess
@@ -37,6 +38,25 @@ class WorkerError(MegdiffusionError):
     exit_code = 1  # not the user's input
 
 
+def keep_freed_memory():
+    """Have glibc's malloc keep freed memory for the next allocation instead of handing it back to the system.
+
+    Each layer of a pass allocates its outputs afresh (megabytes each). By default glibc serves such blocks with
+    mmap or trims them off the heap when freed, so every pass touched new pages: ~14,000 page faults per eval
+    pass of the CIFAR-shaped network, a third of its time in the kernel (benchmarks/README.md, "Design choices
+    measured"). With blocks of up to 32 MB taken from the heap and the heap never trimmed, a pass reuses the
+    last pass's pages; the process keeps its peak heap. No-op where the C library is not glibc."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(_M_MMAP_THRESHOLD, 32 << 20)  # glibc's largest allowed threshold
+    mallopt(_M_TRIM_THRESHOLD, 2 ** 31 - 1)
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+
+
 def _shared_array(count):
     """A float32 array of ``count`` elements in a file mapped shared, and the file's path."""
     directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -56,10 +76,12 @@ class GroupWorkers:
     ``shapes``. ``close()`` stops the workers; so does collecting the object, or the caller's exit."""
 
     def __init__(self, model, shapes, count):
+        keep_freed_memory()
         self.model, self.shapes = model, [tuple(shape) for shape in shapes]
         self.total = int(sum(np.prod(shape) for shape in self.shapes))
         self.processes, self.connections = [], []
         self.weights = self.grads = None
+        self.weights_of_outputs = None  # the array the shared weights were copied from by ``outputs``
         self.local_grads = []  # the caller's per-group gradient buffers, kept between steps
         self.close = weakref.finalize(self, _stop, self.connections, self.processes)
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -112,6 +134,7 @@ class GroupWorkers:
     def _map_buffers(self, slots):
         """Shared weights and ``slots`` shared gradient buffers, mapped into every worker."""
         self.weights, weights_path = _shared_array(self.total)
+        self.weights_of_outputs = None
         self.grads, grads_path = _shared_array(slots * self.total)
         self.grads = self.grads.reshape(slots, self.total)
         try:
@@ -126,7 +149,9 @@ class GroupWorkers:
         return self._map("gradients", flat_weights, groups, batch_size)
 
     def outputs(self, flat_weights, groups):
-        """The network's output (NCHW) for each group in ``groups`` ([(x NCHW, temb_in)]) at ``flat_weights``."""
+        """The network's output (NCHW) for each group in ``groups`` ([(x NCHW, temb_in)]) at ``flat_weights``: an
+        array taken as unchanged when it was the last one given here (``NativeModel``'s weights, fixed), so that
+        sampling does not copy the weights to the workers at every call."""
         return self._map("outputs", flat_weights, groups)
 
     def _map(self, kind, flat_weights, groups, *args):
@@ -138,7 +163,9 @@ class GroupWorkers:
             slots = len(remote) if kind == "gradients" else 0
             if self.grads is None or len(self.grads) < slots:
                 self._map_buffers(slots)
-            np.copyto(self.weights, flat_weights)
+            if kind == "gradients" or flat_weights is not self.weights_of_outputs:
+                np.copyto(self.weights, flat_weights)
+            self.weights_of_outputs = flat_weights if kind == "outputs" else None
             for connection, job in zip(self.connections, jobs[1:]):
                 self._send(connection, (kind, [(slot[i], groups[i]) for i in job]) + args)
         weights = _views(flat_weights, self.shapes)
@@ -186,6 +213,7 @@ def serve(fd):
     path, slots), ("gradients", [(slot, inputs)], batch size) and ("outputs", [(slot, inputs)]); each answered with
     ("ok", result) or ("error", the exception in one line; its traceback goes to stderr)."""
     connection = Connection(fd)
+    keep_freed_memory()
     model = shapes = weights = grads = None
     while True:
         try:
