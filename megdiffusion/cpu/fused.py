@@ -59,7 +59,8 @@ if njit is not None:
     @njit(cache=True, fastmath=True, error_model="numpy", inline="always")
     def _exp(x):
         """exp(x) in float32: x = k ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial, times 2^k built
-        from its bits. Clamped so that 2^k stays a normal number."""
+        from its bits. x is clamped to [-87.3, 88.3] so that 2^k stays a normal number: below, exp(-87.3) ~ 1e-38
+        instead of a subnormal or 0."""
         x = min(max(x, np.float32(-87.3)), np.float32(88.3))
         k = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
         r = x - k * np.float32(0.693359375) + k * np.float32(2.12194440e-4)
