@@ -64,6 +64,21 @@ def _serial(count, work):
     work(slice(0, count))
 
 
+def _conv(weight, bias, x, stride=(1, 1), padding=(0, 0), out_hw=None):
+    """conv2d(x, weight) + bias on oneDNN, x and the output NHWC, ``weight`` OIHW (1x1 too: oneDNN's kernels ran
+    them 2x faster than OpenBLAS's matmul here): (output, backward(dy) -> (dx, dweight, dbias)). ``out_hw``: the
+    output's height and width (default x's)."""
+    x = np.ascontiguousarray(x)
+    y = onednn.conv2d_forward(x, weight, bias, stride, padding, out_hw or x.shape[1:3], _serial, group=len(x),
+                              channels_last=True)
+
+    def backward(dy):
+        return onednn.conv2d_backward(x, weight, np.ascontiguousarray(dy), stride, padding, True, _serial,
+                                      group=len(x), channels_last=True)
+
+    return y, backward
+
+
 class _Layers:
     """The layer functions of one group's pass on NHWC arrays: each returns (output, backward), backward(dy) -> dx,
     adding parameter gradients into ``grads``. Dropout draws from ``rng`` (None: eval mode, no dropout)."""
@@ -82,35 +97,18 @@ class _Layers:
         """``module`` (a Conv2d) on x; ``bottom_right``: x padded by one row and column at the bottom and right
         first (``Downsample``'s TF padding)."""
         weight, bias = self.w(module.weight), self.w(module.bias).reshape(-1)
-        if weight.shape[2:] == (1, 1):
-            return self._conv1x1(module, weight.reshape(weight.shape[:2]), bias, x)
         stride, padding = tuple(module.stride), tuple(module.padding)
         size = [s + bottom_right for s in x.shape[1:3]]
         out_hw = tuple((s + 2 * p - k) // st + 1 for s, p, k, st in zip(size, padding, weight.shape[2:], stride))
-        x = np.ascontiguousarray(x)
-        y = onednn.conv2d_forward(x, weight, bias, stride, padding, out_hw, _serial, group=len(x), channels_last=True)
+        y, conv_back = _conv(weight, bias, x, stride, padding, out_hw)
 
         def backward(dy):
-            dx, dw, db = onednn.conv2d_backward(x, weight, np.ascontiguousarray(dy), stride, padding, True, _serial,
-                                                group=len(x), channels_last=True)
+            dx, dw, db = conv_back(dy)
             self.add_grad(module.weight, dw)
             self.add_grad(module.bias, db)
             return dx
 
         return y, backward
-
-    def _conv1x1(self, module, weight, bias, x):
-        rows = x.reshape(-1, x.shape[-1])
-        y = rows @ weight.T
-        y += bias
-
-        def backward(dy):
-            dy_rows = dy.reshape(y.shape)
-            self.add_grad(module.weight, dy_rows.T @ rows)
-            self.add_grad(module.bias, dy_rows.sum(axis=0))
-            return (dy_rows @ weight).reshape(x.shape)
-
-        return y.reshape(x.shape[:-1] + (len(weight),)), backward
 
     def linear(self, module, x):
         weight, bias = self.w(module.weight), self.w(module.bias)
@@ -247,12 +245,11 @@ class _Layers:
             return a.reshape(n, heads, positions, d).transpose(0, 2, 1, 3).reshape(n, positions, c)
 
         h, norm_back = self.norm(attn.norm, x, silu=False)
-        rows = h.reshape(-1, c)
         projections = (attn.q, attn.k, attn.v)
-        w_qkv = np.concatenate([self.w(p.weight).reshape(c, c) for p in projections])
+        w_qkv = np.concatenate([self.w(p.weight) for p in projections])  # one 1x1 convolution to 3c channels
         b_qkv = np.concatenate([self.w(p.bias).reshape(c) for p in projections])
-        qkv = rows @ w_qkv.T
-        qkv += b_qkv
+        qkv, qkv_back = _conv(w_qkv, b_qkv, h)
+        qkv = qkv.reshape(-1, 3 * c)
         q, k, v = (to_heads(qkv[:, i * c:(i + 1) * c].reshape(n, positions, c)) for i in range(3))
         weights = q @ k.transpose(0, 2, 1)  # (n * heads, query, key): the logits, made softmax(logits * scale)
         if fused.available():
@@ -274,13 +271,12 @@ class _Layers:
             dlogits *= scale
             dq = dlogits @ k
             dk = dlogits.transpose(0, 2, 1) @ q
-            dqkv = np.concatenate([from_heads(g) for g in (dq, dk, dv)], axis=2).reshape(-1, 3 * c)
-            dw = dqkv.T @ rows
-            db = dqkv.sum(axis=0)
+            dqkv = np.concatenate([from_heads(g) for g in (dq, dk, dv)], axis=2).reshape(x.shape[:3] + (3 * c,))
+            dh, dw, db = qkv_back(dqkv)
             for i, p in enumerate(projections):
                 self.add_grad(p.weight, dw[i * c:(i + 1) * c])
                 self.add_grad(p.bias, db[i * c:(i + 1) * c])
-            dx = norm_back((dqkv @ w_qkv).reshape(x.shape))[0]
+            dx = norm_back(dh)[0]
             dx += dy
             return dx
 
