@@ -251,7 +251,8 @@ class _Layers:
         qkv, qkv_back = _conv(w_qkv, b_qkv, h)
         qkv = qkv.reshape(-1, 3 * c)
         q, k, v = (to_heads(qkv[:, i * c:(i + 1) * c].reshape(n, positions, c)) for i in range(3))
-        weights = q @ k.transpose(0, 2, 1)  # (n * heads, query, key): the logits, made softmax(logits * scale)
+        # (n * heads, query, key): the logits, made softmax(logits * scale) in place
+        weights = onednn.matmul(q, k.transpose(0, 2, 1))
         if fused.available():
             fused.softmax_rows(weights.reshape(-1, positions), scale)
         else:
@@ -259,18 +260,18 @@ class _Layers:
             weights -= weights.max(axis=2, keepdims=True)
             np.exp(weights, out=weights)
             weights /= weights.sum(axis=2, keepdims=True)
-        mixed = from_heads(weights @ v).reshape(x.shape)
+        mixed = from_heads(onednn.matmul(weights, v)).reshape(x.shape)
         out, proj_back = self.conv(attn.proj_out, mixed)
 
         def backward(dy):
             dmixed = to_heads(proj_back(dy).reshape(n, positions, c))
-            dv = weights.transpose(0, 2, 1) @ dmixed
-            dweights = dmixed @ v.transpose(0, 2, 1)
+            dv = onednn.matmul(weights.transpose(0, 2, 1), dmixed)
+            dweights = onednn.matmul(dmixed, v.transpose(0, 2, 1))
             dlogits = dweights - np.sum(dweights * weights, axis=2, keepdims=True)
             dlogits *= weights
             dlogits *= scale
-            dq = dlogits @ k
-            dk = dlogits.transpose(0, 2, 1) @ q
+            dq = onednn.matmul(dlogits, k)
+            dk = onednn.matmul(dlogits.transpose(0, 2, 1), q)
             dqkv = np.concatenate([from_heads(g) for g in (dq, dk, dv)], axis=2).reshape(x.shape[:3] + (3 * c,))
             dh, dw, db = qkv_back(dqkv)
             for i, p in enumerate(projections):

@@ -73,6 +73,8 @@ _SIGNATURES = {
                                                                  _ptr, _ptr],
     "dnnl_pooling_forward_primitive_desc_create": [ctypes.POINTER(_ptr), _ptr, ctypes.c_int, ctypes.c_int, _ptr, _ptr,
                                                     _Dims, _Dims, _Dims, _Dims, _Dims, _ptr],
+    "dnnl_memory_desc_create_with_strides": [ctypes.POINTER(_ptr), ctypes.c_int, _Dims, ctypes.c_int, _Dims],
+    "dnnl_matmul_primitive_desc_create": [ctypes.POINTER(_ptr), _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
     "dnnl_reorder_primitive_desc_create": [ctypes.POINTER(_ptr), _ptr, _ptr, _ptr, _ptr, _ptr],
     "dnnl_primitive_desc_query_md": [_ptr, ctypes.c_int, ctypes.c_int],
     "dnnl_primitive_create": [ctypes.POINTER(_ptr), _ptr],
@@ -377,6 +379,36 @@ def conv2d_backward(x, weight, dy, stride, padding, bias, run_groups, group=GROU
     # A sum over the leading axis adds the rows one after the other, as cpu.conv sums per-sample products.
     return dx, dws.sum(axis=0), dbs.sum(axis=0) if bias else None
 
+
+
+_matmuls = {}
+
+
+def matmul(a, b):
+    """a @ b for float32 3-D arrays (a batch of matrices; views with any element strides, e.g. transposed ones, are
+    read in place) on oneDNN on the calling thread: a new C-contiguous array."""
+    elements = [tuple(stride // 4 for stride in array.strides) for array in (a, b)]
+    key = (a.shape, elements[0], b.shape, elements[1])
+    with _plans_lock:
+        plan = _matmuls.get(key)
+        if plan is None:
+            _stream()  # planned for one OpenMP thread
+            out_shape = a.shape[:2] + b.shape[2:]
+            descs = []
+            for shape, strides in ((a.shape, elements[0]), (b.shape, elements[1])):
+                desc = _ptr()
+                _call("dnnl_memory_desc_create_with_strides", ctypes.byref(desc), 3, _Dims(*shape), _F32,
+                      _Dims(*strides))
+                descs.append(desc)
+            descs.append(_desc(out_shape, b"abc"))
+            desc = _ptr()
+            _call("dnnl_matmul_primitive_desc_create", ctypes.byref(desc), _state.engine, descs[0], descs[1], None,
+                  descs[2], _state.attr)
+            plan = _matmuls[key] = (_Primitive(desc), descs, out_shape)
+    primitive, (a_desc, b_desc, out_desc), out_shape = plan
+    out = np.empty(out_shape, np.float32)
+    primitive({ARG_SRC: (a_desc, a), ARG_WEIGHTS: (b_desc, b), ARG_DST: (out_desc, out)})
+    return out
 
 
 def _relu_attr():
