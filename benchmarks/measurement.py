@@ -46,9 +46,9 @@ def training(args, side, step, batch, engine):
                 warmup=args.warmup, loss=round(metrics["loss"], 6), **engine)
 
 
-def sampling(args, side, sample, engine):
-    """One timed call of ``sample`` (DDIM-``args.sample_steps`` of ``args.batch`` images, after the caller's
-    untimed forward at that batch)."""
+def sampling(args, side, sample, engine, sampler="ddim"):
+    """One timed call of ``sample`` (``args.sample_steps`` network calls per image of ``args.batch`` images by
+    ``sampler``, after the caller's untimed forward at that batch)."""
     seconds, cpu, _ = timed(sample, 1)
     return line(args, side, "ddim", seconds, cpu, args.batch, batch=args.batch, sample_steps=args.sample_steps,
-                seconds_per_image=round(seconds / args.batch, 4), **engine)
+                seconds_per_image=round(seconds / args.batch, 4), sampler=sampler, **engine)

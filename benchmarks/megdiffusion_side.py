@@ -28,6 +28,7 @@ mge = quiet_megengine()
 from megdiffusion.cpu import native  # noqa: E402
 from megdiffusion.cpu import onednn  # noqa: E402
 from megdiffusion.cpu.conv import fast_conv_enabled  # noqa: E402
+from megdiffusion.diffusion import solvers  # noqa: E402
 from megdiffusion.training.config import TrainConfig, build_diffusion, build_model  # noqa: E402
 from megdiffusion.training.trainer import Trainer  # noqa: E402
 from train_step import cifar_shaped, cpu_recipe  # noqa: E402
@@ -157,7 +158,8 @@ def train(args):
 
 def ddim(args):
     """Time one DDIM sampling call (eta 0, x_T from one seed per image) of a ``--batch`` of images, with the network
-    ``generation.generate_images`` uses (``native.NativeModel`` on the fast CPU path)."""
+    ``generation.generate_images`` uses (``native.NativeModel`` on the fast CPU path); or, with ``--sampler``, an ODE
+    solver making the same number of network calls (``--sample_steps``; Heun: one step fewer than half of them)."""
     cfg, _, weights = read_prepared(args.work_dir, args.model)
     model, diffusion = build_model(cfg), build_diffusion(cfg)
     model.load_state_dict(weights)
@@ -165,8 +167,11 @@ def ddim(args):
     model = native.NativeModel.for_sampling(model)
     shape = (args.batch,) + cfg.image_shape
     model(mge.tensor(np.zeros(shape, np.float32)), mge.tensor(np.zeros(args.batch, np.int32))).numpy()  # untimed
+    steps = (args.sample_steps + 1) // 2 if args.sampler == solvers.HEUN else args.sample_steps
+    if solvers.calls_per_image(args.sampler, steps) != args.sample_steps:
+        raise SystemExit(f"error: {args.sampler} cannot make {args.sample_steps} network calls per image")
     return measurement.sampling(args, "megdiffusion", lambda: diffusion.sample(
-        model, shape, sampler="ddim", steps=args.sample_steps, seeds=range(args.batch)).numpy(), engine())
+        model, shape, sampler=args.sampler, steps=steps, seeds=range(args.batch)).numpy(), engine(), args.sampler)
 
 
 def main():
@@ -186,7 +191,8 @@ def main():
     sub.choices["train"].add_argument("--warmup", type=int, default=1)
     sub.choices["train"].add_argument("--steps", type=int, default=3)
     sub.choices["ddim"].add_argument("--batch", type=int, default=16)
-    sub.choices["ddim"].add_argument("--sample_steps", type=int, default=50)
+    sub.choices["ddim"].add_argument("--sample_steps", type=int, default=50, help="network calls per image")
+    sub.choices["ddim"].add_argument("--sampler", default="ddim", choices=("ddim",) + solvers.SOLVERS)
     args = parser.parse_args()
     if args.command == "prepare":
         lines = prepare(args.work_dir, args.models.split(","), {"cpu": args.cpu_batch, "cifar": args.cifar_batch})

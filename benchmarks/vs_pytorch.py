@@ -35,6 +35,9 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from megdiffusion.diffusion.solvers import HEUN, SOLVERS  # noqa: E402  (numpy only)
+
 TORCH_PYTHON_ENV = "MEGDIFFUSION_TORCH_PYTHON"
 MODELS = ("cpu", "cifar")
 
@@ -89,7 +92,9 @@ def summary(model, mode, rows):
     if mode == "train":
         line.update(steps=first["torch"]["steps"], warmup=first["torch"]["warmup"])
     else:
-        line["sampler"] = f"ddim-{first['torch']['sample_steps']}"
+        steps = first["torch"]["sample_steps"]
+        ours = first["megdiffusion"]["sampler"]
+        line["sampler"] = f"ddim-{steps}" if ours == "ddim" else f"{ours} ({steps} calls) against ddim-{steps}"
         line.update({f"{side}_seconds_per_image": round(1 / median[side]["images_per_s"], 4) for side in sides})
     line.update({f"{side}_images_per_s": round(median[side]["images_per_s"], 3) for side in sides})
     line["ratio"] = round(median["megdiffusion"]["images_per_s"] / median["torch"]["images_per_s"], 3)
@@ -101,12 +106,13 @@ def summary(model, mode, rows):
     return line
 
 
-def alternate(args, tpy, model, mode, options):
-    """``args.rounds`` measurements per side, megdiffusion first in each round; then the summary line."""
+def alternate(args, tpy, model, mode, options, ours=()):
+    """``args.rounds`` measurements per side, megdiffusion first in each round (with ``options`` and ``ours``, the
+    twin with ``options``); then the summary line."""
     rows = []
     for round_index in range(args.rounds):
-        for python, script in ((sys.executable, "megdiffusion_side.py"), (tpy, "pytorch_twin.py")):
-            rows += run(python, script, mode, args.work_dir, model, "--round", round_index, *options)
+        for python, script, extra in ((sys.executable, "megdiffusion_side.py", ours), (tpy, "pytorch_twin.py", ())):
+            rows += run(python, script, mode, args.work_dir, model, "--round", round_index, *options, *extra)
     print(json.dumps(summary(model, mode, rows)), flush=True)
 
 
@@ -124,7 +130,10 @@ def benchmark(args):
         if args.train:
             alternate(args, tpy, model, "train", ["--warmup", args.warmup, "--steps", args.steps])
         if args.sample:
-            alternate(args, tpy, model, "ddim", ["--batch", args.sample_batch, "--sample_steps", args.sample_steps])
+            sampling = ["--batch", args.sample_batch, "--sample_steps", args.sample_steps]
+            alternate(args, tpy, model, "ddim", sampling)
+            for solver in args.solvers:  # the twin has DDIM only: the same network calls
+                alternate(args, tpy, model, "ddim", sampling, ours=["--sampler", solver])
 
 
 def parse_args(argv=None):
@@ -142,6 +151,8 @@ def parse_args(argv=None):
     parser.add_argument("--no_train", dest="train", action="store_false", help="time only DDIM sampling (--sample)")
     parser.add_argument("--sample_steps", type=int, default=50, help="DDIM steps of --sample")
     parser.add_argument("--sample_batch", type=int, default=16, help="images per DDIM call of --sample")
+    parser.add_argument("--solvers", default="", help="with --sample: comma-separated ODE solvers (dpmpp_2m, heun, "
+                        "...) that megdiffusion times at --sample_steps network calls against the twin's DDIM")
     parser.add_argument("--torch_python", default=None, help=f"python with torch for the twin (default: "
                         f"${TORCH_PYTHON_ENV}, else this interpreter)")
     parser.add_argument("--work_dir", default=None, help="keep the configs, batches, weights and references "
@@ -151,6 +162,13 @@ def parse_args(argv=None):
     unknown = sorted(set(args.models) - set(MODELS))
     if unknown:
         parser.error(f"unknown --models {','.join(unknown)}; choose from {', '.join(MODELS)}")
+    args.solvers = [name for name in args.solvers.split(",") if name]
+    unknown = sorted(set(args.solvers) - set(SOLVERS))
+    if unknown:
+        parser.error(f"unknown --solvers {','.join(unknown)}; choose from {', '.join(SOLVERS)}")
+    if HEUN in args.solvers and args.sample_steps % 2 == 0:
+        parser.error(f"heun makes an odd number of network calls per image (2 * steps - 1); --sample_steps "
+                     f"{args.sample_steps} is even")
     counts = [args.rounds, args.steps, args.sample_steps, args.sample_batch]
     counts += [batch for batch in (args.cpu_batch, args.cifar_batch) if batch is not None]
     if not (args.train or args.sample):

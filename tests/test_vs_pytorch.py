@@ -59,9 +59,21 @@ def test_megdiffusion_side_writes_what_the_twin_reads_and_times_the_real_step(tm
     reference_trainer.model.load_state_dict(weights)
     losses = [reference_trainer.step(x0)["loss"] for _ in range(2)]
     assert row["images"] == 8 and row["images_per_s"] > 0 and row["loss"] == round(losses[-1], 6)
-    args = argparse.Namespace(work_dir=tmp_path, model="tiny", round=0, batch=3, sample_steps=2)
+    args = argparse.Namespace(work_dir=tmp_path, model="tiny", round=0, batch=3, sample_steps=2, sampler="ddim")
     row = megdiffusion_side.ddim(args)
-    assert row["images"] == 3 and row["seconds_per_image"] > 0
+    assert row["images"] == 3 and row["seconds_per_image"] > 0 and row["sampler"] == "ddim"
+    row = megdiffusion_side.ddim(argparse.Namespace(**{**vars(args), "sampler": "heun", "sample_steps": 3}))
+    assert row["sampler"] == "heun" and row["sample_steps"] == 3  # Heun-2: 3 network calls, as DDIM-3
+
+
+def test_solvers_are_checked_before_anything_runs(capsys):
+    for argv, message in ((["--sample", "--solvers", "dpmpp_2m,rk4"], "unknown --solvers rk4"),
+                          (["--sample", "--solvers", "heun", "--sample_steps", "50"], "heun makes an odd number")):
+        with pytest.raises(SystemExit):
+            vs_pytorch.parse_args(argv)
+        assert message in capsys.readouterr().err
+    assert vs_pytorch.parse_args(["--sample", "--solvers", "unipc,heun", "--sample_steps", "9"]).solvers == [
+        "unipc", "heun"]
 
 
 def test_torch_python_errors_say_what_to_do(monkeypatch):
