@@ -38,7 +38,7 @@ def test_wheel_declares_entry_points_and_dependencies(wheel):
     metadata = wheel[f"{dist_info}/METADATA"].decode()
     for name in ("train", "sample", "fid", "convert", "nll"):
         assert f"megdiffusion-{name} = megdiffusion.scripts.{name}:run" in entry_points
-    for requirement in ("megengine>=1.9", "numpy<2", "absl-py", "tqdm", "pillow"):
+    for requirement in ("megengine>=1.9", "numpy<2", "absl-py", "tqdm", "pillow", "numba==0.61.2"):
         assert f"Requires-Dist: {requirement}" in metadata
     assert "Requires-Python: >=3.8,<3.11" in metadata
     # torch is only the bench extra (benchmarks/vs_pytorch.py), never a requirement of the package.
@@ -96,6 +96,8 @@ def test_no_module_imports_itself_through_others():
 def test_the_names_users_import_keep_working():
     code = ("from megdiffusion.nn import UNet; from megdiffusion import diffusion, training, sampling; "
             "from megdiffusion.sampling import load_model, read_samples; import megdiffusion.scripts.train; "
-            "from megdiffusion import GaussianDiffusion; assert callable(sampling.load_model)")
+            "from megdiffusion import GaussianDiffusion; assert callable(sampling.load_model); "
+            "from megdiffusion.nn.conv import set_fast_conv, fast_conv_enabled; from megdiffusion.cpu import conv; "
+            "assert set_fast_conv is conv.set_fast_conv")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
