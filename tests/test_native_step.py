@@ -17,7 +17,7 @@ from megdiffusion.nn.unet import UNet
 from megdiffusion.cpu import native
 from megdiffusion.training import trainer as trainer_module
 from megdiffusion.training.config import build_diffusion, build_model
-from megdiffusion.cpu.group_workers import WorkerError
+from megdiffusion.cpu.group_workers import GroupWorkers, WorkerError
 from megdiffusion.training.trainer import Trainer
 
 mge = quiet_megengine()
@@ -257,3 +257,35 @@ def test_dropout_masks_come_from_the_step_seed(tiny_config, fast_path):
         trainer = Trainer(tiny_config(dropout=dropout))
         norms.append([trainer.step(batch(k, 8))["grad_norm"] for k in range(2)])
     assert norms[0] == norms[1] and norms[0][0] != norms[2][0] and norms[0][1] != norms[2][1]
+
+
+def test_eval_calls_keep_their_weight_preparations_only_while_the_weights_stay(tiny_config):
+    """``outputs`` at the same weights array reuses the weights' oneDNN layouts (and the workers' copy); another
+    array, or a training step in between, makes them afresh: every call equals a pass without preparations."""
+    cfg = tiny_config(channel_mult=(1, 2), attention_resolutions=(4,), norm_groups=4)
+    model = randomised(build_model(cfg))
+    params = list(model.parameters())
+    described, shapes = numpy_unet.describe(model, params), [tuple(p.shape) for p in params]
+    first = np.concatenate([p.numpy().reshape(-1) for p in params])
+    second = first * np.float32(1.1)
+    rng = np.random.default_rng(2)
+    groups = [(rng.standard_normal((8, 1, 8, 8)).astype(np.float32), rng.standard_normal((8, 32)).astype(np.float32),
+               None) for _ in range(2)]
+
+    def expected(flat):
+        weights = [flat[a:b].reshape(shape) for a, b, shape in
+                   zip(np.cumsum([0] + [int(np.prod(s)) for s in shapes]), np.cumsum([int(np.prod(s)) for s in shapes]),
+                       shapes)]
+        return [numpy_unet.unet_output(described, weights, *group) for group in groups]
+
+    workers = GroupWorkers(described, shapes, 1)  # the second group runs in the worker
+    try:
+        training_group = (groups[0][0], groups[0][0], np.ones(8, np.float32), groups[0][1], None, 0)
+        for flat, train_before in ((first, False), (first, False), (second, False), (first.copy(), False),
+                                   (second, True)):
+            if train_before:  # the shared weights now hold the step's weights
+                workers.gradients(first, [training_group, training_group], 16)
+            for got, want in zip(workers.outputs(flat, groups), expected(flat)):
+                np.testing.assert_array_equal(got, want)
+    finally:
+        workers.close()

@@ -81,7 +81,10 @@ class GroupWorkers:
         self.total = int(sum(np.prod(shape) for shape in self.shapes))
         self.processes, self.connections = [], []
         self.weights = self.grads = None
-        self.weights_of_outputs = None  # the array the shared weights were copied from by ``outputs``
+        # ``outputs`` at the weights of the last ``outputs`` call: their views, oneDNN layouts and copy are kept.
+        self.fixed_weights = self.views = None
+        self.prepared = {}  # numpy_unet's per-layer preparations of the fixed weights, in this process
+        self.shared_fixed = False  # whether the shared weights hold the fixed weights
         self.local_grads = []  # the caller's per-group gradient buffers, kept between steps
         self.close = weakref.finalize(self, _stop, self.connections, self.processes)
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -134,7 +137,7 @@ class GroupWorkers:
     def _map_buffers(self, slots):
         """Shared weights and ``slots`` shared gradient buffers, mapped into every worker."""
         self.weights, weights_path = _shared_array(self.total)
-        self.weights_of_outputs = None
+        self.shared_fixed = False
         self.grads, grads_path = _shared_array(slots * self.total)
         self.grads = self.grads.reshape(slots, self.total)
         try:
@@ -151,7 +154,7 @@ class GroupWorkers:
     def outputs(self, flat_weights, groups):
         """The network's output (NCHW) for each group in ``groups`` ([(x NCHW, temb_in)]) at ``flat_weights``: an
         array taken as unchanged when it was the last one given here (``NativeModel``'s weights, fixed), so that
-        sampling does not copy the weights to the workers at every call."""
+        sampling copies the weights to the workers and prepares them for oneDNN once, not at every call."""
         return self._map("outputs", flat_weights, groups)
 
     def _map(self, kind, flat_weights, groups, *args):
@@ -159,21 +162,25 @@ class GroupWorkers:
         jobs = [list(range(p, len(groups), processes)) for p in range(processes)]
         remote = [index for job in jobs[1:] for index in job]
         slot = {index: i for i, index in enumerate(remote)}
+        if not (kind == "outputs" and flat_weights is self.fixed_weights):
+            self.fixed_weights = flat_weights if kind == "outputs" else None
+            self.views, self.prepared, self.shared_fixed = _views(flat_weights, self.shapes), {}, False
         if remote:
             slots = len(remote) if kind == "gradients" else 0
             if self.grads is None or len(self.grads) < slots:
                 self._map_buffers(slots)
-            if kind == "gradients" or flat_weights is not self.weights_of_outputs:
+            fresh = not self.shared_fixed  # the workers drop their preparations of older weights
+            if fresh:
                 np.copyto(self.weights, flat_weights)
-            self.weights_of_outputs = flat_weights if kind == "outputs" else None
+                self.shared_fixed = kind == "outputs"
             for connection, job in zip(self.connections, jobs[1:]):
-                self._send(connection, (kind, [(slot[i], groups[i]) for i in job]) + args)
-        weights = _views(flat_weights, self.shapes)
+                self._send(connection, (kind, [(slot[i], groups[i]) for i in job], fresh) + args)
         results = {}
         with one_blas_thread():
             for position, index in enumerate(jobs[0]):
                 buffer = self._local_buffer(position) if kind == "gradients" else None
-                result = _compute(kind, self.model, weights, buffer, self.shapes, groups[index], *args)
+                result = _compute(kind, self.model, self.views, buffer, self.shapes, groups[index], self.prepared,
+                                  *args)
                 results[index] = result if buffer is None else (result, buffer)
         for connection, job in zip(self.connections, jobs[1:]):
             for index, result in zip(job, self._receive(connection)):
@@ -187,12 +194,13 @@ class GroupWorkers:
         return self.local_grads[position]
 
 
-def _compute(kind, model, weights, grads, shapes, inputs, *args):
-    """One group's job in any process: its loss, with its gradients in the flat array ``grads``, or its output."""
+def _compute(kind, model, weights, grads, shapes, inputs, prepared, *args):
+    """One group's job in any process: its loss, with its gradients in the flat array ``grads``, or its output
+    (``prepared``: the preparations of these weights kept between eval calls)."""
     if kind == "gradients":
         grads.fill(0)
         return numpy_unet.group_loss_and_gradients(model, weights, _views(grads, shapes), *inputs, *args)
-    return numpy_unet.unet_output(model, weights, *inputs)
+    return numpy_unet.unet_output(model, weights, *inputs, prepared=prepared)
 
 
 def _stop(connections, processes):
@@ -210,11 +218,13 @@ def _stop(connections, processes):
 
 def serve(fd):
     """A worker's loop on the socket ``fd``: messages ("model", model, shapes), ("buffers", weights path, gradients
-    path, slots), ("gradients", [(slot, inputs)], batch size) and ("outputs", [(slot, inputs)]); each answered with
-    ("ok", result) or ("error", the exception in one line; its traceback goes to stderr)."""
+    path, slots), ("gradients", [(slot, inputs)], fresh, batch size) and ("outputs", [(slot, inputs)], fresh), fresh
+    saying that the shared weights changed since the last message; each answered with ("ok", result) or ("error",
+    the exception in one line; its traceback goes to stderr)."""
     connection = Connection(fd)
     keep_freed_memory()
     model = shapes = weights = grads = None
+    prepared = {}  # the eval pass's preparations of the shared weights while they stay the same
     while True:
         try:
             message = connection.recv()
@@ -232,8 +242,11 @@ def serve(fd):
                 grads = np.memmap(grads_path, np.float32, "r+", shape=(max(slots * total, 1),))
                 grads = grads[:slots * total].reshape(slots, total)
             else:
+                _, jobs, fresh, *args = message
+                if fresh:
+                    prepared = {}
                 result = [_compute(kind, model, weights, grads[slot] if kind == "gradients" else None, shapes,
-                                   inputs, *message[2:]) for slot, inputs in message[1]]
+                                   inputs, prepared, *args) for slot, inputs in jobs]
             connection.send(("ok", result))
         except Exception as error:  # noqa: BLE001 - the caller raises it
             traceback.print_exc()

@@ -64,13 +64,13 @@ def _serial(count, work):
     work(slice(0, count))
 
 
-def _conv(weight, bias, x, stride=(1, 1), padding=(0, 0), out_hw=None):
+def _conv(weight, bias, x, stride=(1, 1), padding=(0, 0), out_hw=None, reordered=None):
     """conv2d(x, weight) + bias on oneDNN, x and the output NHWC, ``weight`` OIHW (1x1 too: oneDNN's kernels ran
     them 2x faster than OpenBLAS's matmul here): (output, backward(dy) -> (dx, dweight, dbias)). ``out_hw``: the
-    output's height and width (default x's)."""
+    output's height and width (default x's); ``reordered``: ``onednn.conv2d_forward``'s, for fixed weights."""
     x = np.ascontiguousarray(x)
     y = onednn.conv2d_forward(x, weight, bias, stride, padding, out_hw or x.shape[1:3], _serial, group=len(x),
-                              channels_last=True)
+                              channels_last=True, reordered=reordered)
 
     def backward(dy):
         return onednn.conv2d_backward(x, weight, np.ascontiguousarray(dy), stride, padding, True, _serial,
@@ -81,10 +81,16 @@ def _conv(weight, bias, x, stride=(1, 1), padding=(0, 0), out_hw=None):
 
 class _Layers:
     """The layer functions of one group's pass on NHWC arrays: each returns (output, backward), backward(dy) -> dx,
-    adding parameter gradients into ``grads``. Dropout draws from ``rng`` (None: eval mode, no dropout)."""
+    adding parameter gradients into ``grads``. Dropout draws from ``rng`` (None: eval mode, no dropout).
+    ``prepared``: a dict kept between eval passes at the same weights, where the layers keep what they derive from
+    the weights (oneDNN's layouts of them, the concatenated q, k, v projections); None when the weights change."""
 
-    def __init__(self, weights, grads, rng):
-        self.weights, self.grads, self.rng = weights, grads, rng
+    def __init__(self, weights, grads, rng, prepared=None):
+        self.weights, self.grads, self.rng, self.prepared = weights, grads, rng, prepared
+
+    def kept(self, *key):
+        """The dict kept under ``key`` in ``prepared`` (created empty), or None without ``prepared``."""
+        return None if self.prepared is None else self.prepared.setdefault(key, {})
 
     def w(self, param):
         return self.weights[param]
@@ -100,7 +106,7 @@ class _Layers:
         stride, padding = tuple(module.stride), tuple(module.padding)
         size = [s + bottom_right for s in x.shape[1:3]]
         out_hw = tuple((s + 2 * p - k) // st + 1 for s, p, k, st in zip(size, padding, weight.shape[2:], stride))
-        y, conv_back = _conv(weight, bias, x, stride, padding, out_hw)
+        y, conv_back = _conv(weight, bias, x, stride, padding, out_hw, self.kept("conv", module.weight))
 
         def backward(dy):
             dx, dw, db = conv_back(dy)
@@ -246,9 +252,13 @@ class _Layers:
 
         h, norm_back = self.norm(attn.norm, x, silu=False)
         projections = (attn.q, attn.k, attn.v)
-        w_qkv = np.concatenate([self.w(p.weight) for p in projections])  # one 1x1 convolution to 3c channels
-        b_qkv = np.concatenate([self.w(p.bias).reshape(c) for p in projections])
-        qkv, qkv_back = _conv(w_qkv, b_qkv, h)
+        kept = self.kept("qkv", attn.q.weight)
+        kept = {} if kept is None else kept  # training: made afresh in each pass
+        if not kept:  # one 1x1 convolution to 3c channels
+            kept.update(w=np.concatenate([self.w(p.weight) for p in projections]),
+                        b=np.concatenate([self.w(p.bias).reshape(c) for p in projections]), reordered={})
+        w_qkv = kept["w"]
+        qkv, qkv_back = _conv(w_qkv, kept["b"], h, reordered=kept["reordered"])
         qkv = qkv.reshape(-1, 3 * c)
         q, k, v = (to_heads(qkv[:, i * c:(i + 1) * c].reshape(n, positions, c)) for i in range(3))
         # (n * heads, query, key): the logits, made softmax(logits * scale) in place
@@ -294,12 +304,13 @@ class _Layers:
         return self.conv(module.conv, x, bottom_right=module.bottom_right)
 
 
-def unet_forward(model, weights, grads, x, temb_in, labels=None, rng=None):
+def unet_forward(model, weights, grads, x, temb_in, labels=None, rng=None, prepared=None):
     """The output of ``model`` (a ``describe``d UNet) on x (N, H, W, C: channels last, as the output) given the
     sinusoidal embedding ``temb_in`` (N, model_channels) of its timesteps and, for a class-conditional network, the
     class ``labels`` (N,): (output, backward); backward(d output) adds every parameter's gradient into ``grads``.
-    Training mode draws dropout masks from ``rng``; eval mode (``rng`` None) has none."""
-    layers = _Layers(weights, grads, rng)
+    Training mode draws dropout masks from ``rng``; eval mode (``rng`` None) has none. ``prepared``: see
+    ``_Layers``."""
+    layers = _Layers(weights, grads, rng, prepared)
     a, dense0_back = layers.linear(model.temb_dense0, temb_in)
     a, silu0_back = layers.silu(a)
     temb, dense1_back = layers.linear(model.temb_dense1, a)
@@ -391,7 +402,9 @@ def group_loss_and_gradients(model, weights, grads, x_t, target, mse_weight, tem
     return loss
 
 
-def unet_output(model, weights, x, temb_in, labels=None):
-    """``model``'s output on x (NCHW) given ``temb_in`` (and ``labels``), NCHW: an eval-mode call."""
-    out, _ = unet_forward(model, weights, None, np.ascontiguousarray(x.transpose(0, 2, 3, 1)), temb_in, labels)
+def unet_output(model, weights, x, temb_in, labels=None, prepared=None):
+    """``model``'s output on x (NCHW) given ``temb_in`` (and ``labels``), NCHW: an eval-mode call. ``prepared``: a
+    dict kept between calls at the same ``weights`` (``_Layers``), or None."""
+    out, _ = unet_forward(model, weights, None, np.ascontiguousarray(x.transpose(0, 2, 3, 1)), temb_in, labels,
+                          prepared=prepared)
     return np.ascontiguousarray(out.transpose(0, 3, 1, 2))

@@ -310,16 +310,22 @@ def _nchw(shape, channels_last):
     return (shape[0], shape[3], shape[1], shape[2]) if channels_last else tuple(shape)
 
 
-def conv2d_forward(x, weight, bias, stride, padding, out_hw, run_groups, group=GROUP, channels_last=False):
+def conv2d_forward(x, weight, bias, stride, padding, out_hw, run_groups, group=GROUP, channels_last=False,
+                   reordered=None):
     """y = conv2d(x, weight) + bias for float32 NCHW ``x`` (NHWC with ``channels_last``, y too), OIHW ``weight``,
     (O,) ``bias`` or None.
 
     The batch is computed in groups of ``group`` samples, one primitive execution each; ``run_groups(count,
-    work)`` calls ``work(slice)`` over slices of range(count) (in parallel)."""
+    work)`` calls ``work(slice)`` over slices of range(count) (in parallel). ``reordered``: a dict kept by the
+    caller while ``weight`` stays the same (eval calls), holding the weights in the primitives' layouts."""
     n = len(x)
     plans = _plans_for(n, _nchw(x.shape, channels_last), weight.shape, stride, padding, out_hw, bias is not None,
                        group, channels_last)
-    weights = {mb: plan.w_in(weight) for mb, plan in plans.items()}
+    reordered = {} if reordered is None else reordered
+    for plan in plans.values():
+        if plan not in reordered:
+            reordered[plan] = plan.w_in(weight)
+    weights = {mb: reordered[plan] for mb, plan in plans.items()}
     o = weight.shape[0]
     y = np.empty((n,) + (tuple(out_hw) + (o,) if channels_last else (o,) + tuple(out_hw)), np.float32)
     groups = _groups(n, group)
