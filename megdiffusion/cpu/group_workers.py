@@ -95,8 +95,10 @@ class GroupWorkers:
             code = f"from megdiffusion.cpu.group_workers import serve; serve({theirs.fileno()})"
             # A session of its own: a terminal's Ctrl-C (or a signal to the caller's process group) reaches only the
             # caller, which finishes its step and saves a checkpoint; workers exit when their socket closes.
+            # cwd: ``python -c`` imports from its working directory first, which may hold another checkout.
             process = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=env,
-                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+                                       cwd=package_root, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                       start_new_session=True)
             theirs.close()
             self.processes.append(process)
             self.connections.append(Connection(ours.detach()))
