@@ -89,6 +89,8 @@ class Trainer:
         self._ema.eval()
         self.diffusion = build_diffusion(config)
         self.params = list(self._model.parameters())
+        # The UNet has none; listing them walks the module tree (~3 ms a step on the CPU recipe).
+        self.has_buffers = any(True for _ in self._model.buffers())
         self.grad_manager = GradManager().attach(
             self.params, callbacks=distributed.allreduce_mean_callbacks(world_size))
         self._optimizer = Adam(self.params, lr=config.lr)
@@ -156,7 +158,8 @@ class Trainer:
         lr = warmup_lr(cfg, self.step_count)
         for group in self._optimizer.param_groups:
             group["lr"] = lr
-        self._model.train()
+        if not self._model.training:  # walking the module tree costs ~6 ms a step on the CPU recipe
+            self._model.train()
         # With clipping off, an infinite bound leaves the gradients untouched (scale min(inf, 1) = 1).
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         ema_decay = ema_decay_at(cfg, self.step_count)
@@ -183,8 +186,9 @@ class Trainer:
             loss, grad_norm, applied = self.engine_update(loss, self.step_count, max_norm, ema_decay, self.scaler)
             if self.scaler is not None:
                 metrics.update(update_skipped=not applied, skipped_updates=self.scaler.skipped)
-        for ema_buffer, buffer in zip(self._ema.buffers(), self._model.buffers()):
-            assign_(ema_buffer, buffer)
+        if self.has_buffers:
+            for ema_buffer, buffer in zip(self._ema.buffers(), self._model.buffers()):
+                assign_(ema_buffer, buffer)
         self.step_count += 1
         return {"loss": loss, "grad_norm": grad_norm, **metrics}
 
