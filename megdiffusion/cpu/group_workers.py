@@ -13,6 +13,8 @@ files mapped into every process (in ``/dev/shm`` where it exists), unlinked as s
 them. A worker exits when the caller closes its socket (``close``, or the caller's exit).
 """
 import ctypes
+import itertools
+import math
 import os
 import socket
 import subprocess
@@ -67,7 +69,7 @@ def _shared_array(count):
 
 def _views(flat, shapes):
     """``flat`` cut into arrays of ``shapes``, one after the other."""
-    bounds = np.cumsum([0] + [int(np.prod(shape)) for shape in shapes]).tolist()
+    bounds = list(itertools.accumulate((math.prod(shape) for shape in shapes), initial=0))  # np.prod: 10x slower
     return [flat[a:b].reshape(shape) for a, b, shape in zip(bounds, bounds[1:], shapes)]
 
 
