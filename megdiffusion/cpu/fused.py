@@ -4,7 +4,7 @@ an activation where numpy took eleven, and the attention's softmax in one.
 Each kernel runs on the calling thread (no parallel loops: ``group_workers`` gives each core a process). The
 exponential is our own (``_exp``: Cody-Waite reduction and a degree-6 polynomial, within 2 ulp of float32's exp
 over its range) so that the loops compile to SIMD code on any x86 machine: numba's ``math.exp`` calls libm one
-value at a time, 17x slower here, unless Intel's SVML runtime (~180 MB) is installed.
+value at a time unless Intel's large SVML runtime is installed (benchmarks/README.md, "Ahead of PyTorch").
 
 ``available()`` is False where numba does not import (``MEGDIFFUSION_NUMBA=0`` does the same); ``numpy_unet``
 then keeps its numpy layers, which the tests hold these kernels to.
@@ -122,7 +122,7 @@ if njit is not None:
         count = positions * per_group
         slope = np.empty(c, np.float32)  # normed = x * slope + intercept
         intercept = np.empty(c, np.float32)
-        dh_sums = np.empty(c, np.float32)  # float32 sums: twice the lanes, and numpy's rounding (1.6x faster)
+        dh_sums = np.empty(c, np.float32)  # float32 sums: twice float64's lanes, and numpy's rounding
         dh_normed_sums = np.empty(c, np.float32)
         a = np.empty(c, np.float32)  # dx = d(normed * gamma + beta) * a + b + x * b_x
         b = np.empty(c, np.float32)

@@ -44,10 +44,10 @@ def keep_freed_memory():
     """Have glibc's malloc keep freed memory for the next allocation instead of handing it back to the system.
 
     Each layer of a pass allocates its outputs afresh (megabytes each). By default glibc serves such blocks with
-    mmap or trims them off the heap when freed, so every pass touched new pages: ~14,000 page faults per eval
-    pass of the CIFAR-shaped network, a third of its time in the kernel (benchmarks/README.md, "Design choices
-    measured"). With blocks of up to 32 MB taken from the heap and the heap never trimmed, a pass reuses the
-    last pass's pages; the process keeps its peak heap. No-op where the C library is not glibc."""
+    mmap or trims them off the heap when freed, so every pass faulted in new pages, a large share of its time
+    (benchmarks/README.md, "Design choices measured"). With blocks of up to 32 MB taken from the heap and the heap
+    never trimmed, a pass reuses the last pass's pages; the process keeps its peak heap. No-op where the C library
+    is not glibc."""
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
@@ -69,7 +69,7 @@ def _shared_array(count):
 
 def _views(flat, shapes):
     """``flat`` cut into arrays of ``shapes``, one after the other."""
-    bounds = list(itertools.accumulate((math.prod(shape) for shape in shapes), initial=0))  # np.prod: 10x slower
+    bounds = list(itertools.accumulate((math.prod(shape) for shape in shapes), initial=0))  # np.prod is slow here
     return [flat[a:b].reshape(shape) for a, b, shape in zip(bounds, bounds[1:], shapes)]
 
 

@@ -65,8 +65,8 @@ def _serial(count, work):
 
 
 def _conv(weight, bias, x, stride=(1, 1), padding=(0, 0), out_hw=None, reordered=None):
-    """conv2d(x, weight) + bias on oneDNN, x and the output NHWC, ``weight`` OIHW (1x1 too: oneDNN's kernels ran
-    them 2x faster than OpenBLAS's matmul here): (output, backward(dy) -> (dx, dweight, dbias)). ``out_hw``: the
+    """conv2d(x, weight) + bias on oneDNN, x and the output NHWC, ``weight`` OIHW (1x1 too: oneDNN's kernels beat
+    OpenBLAS's matmul): (output, backward(dy) -> (dx, dweight, dbias)). ``out_hw``: the
     output's height and width (default x's); ``reordered``: ``onednn.conv2d_forward``'s, for fixed weights."""
     x = np.ascontiguousarray(x)
     y = onednn.conv2d_forward(x, weight, bias, stride, padding, out_hw or x.shape[1:3], _serial, group=len(x),
