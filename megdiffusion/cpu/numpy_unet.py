@@ -1,4 +1,5 @@
-"""The UNet outside MegEngine: forward and backward in numpy on channels-last arrays, 3x3 convolutions on oneDNN.
+"""The UNet outside MegEngine: forward and backward in numpy on channels-last arrays, the convolutions and the
+attention's products on oneDNN, GroupNorm with SiLU and the softmax as compiled kernels (``cpu.fused``).
 
 The fast CPU path's training steps and eval calls (``megdiffusion.cpu.native``) run here. Through MegEngine a step of
 the CPU recipe dispatched ~1,000 small ops and waited on MegEngine's worker thread at every hand-over to the numpy
