@@ -3,6 +3,7 @@ softmax against the numpy layers they replace, and the one-line note where numba
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -111,3 +112,20 @@ def test_megdiffusion_numba_0_turns_the_kernels_off_without_a_note():
     result = run_python("from megdiffusion.cpu import fused\nassert not fused.available()\nfused.note_if_missing()",
                         MEGDIFFUSION_NUMBA="0")
     assert result.returncode == 0 and "note:" not in result.stderr, result.stderr
+
+
+@needs_kernels
+def test_the_kernels_compile_where_no_cache_directory_can_be_written(tmp_path):
+    """A read-only install with no writable cache directory: numba cannot cache, the kernels still compile."""
+    (tmp_path / "fused_copy.py").write_text(Path(fused.__file__).read_text())
+    (tmp_path / "__pycache__").write_text("")  # a file where numba would make its cache directory
+    blocked = tmp_path / "__pycache__" / "cache"
+    code = ("import numpy as np, fused_copy\n"
+            "x = np.ones((1, 2, 4), np.float32)\n"
+            "y, _, _ = fused_copy.norm_forward(x, np.zeros((1, 4), np.float32), np.ones(4, np.float32), "
+            "np.ones(4, np.float32), 2, 1e-6, False)\n"
+            "assert np.allclose(y, 1.0)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            env=dict(os.environ, PYTHONPATH=str(tmp_path), NUMBA_CACHE_DIR=str(blocked),
+                                     XDG_CACHE_HOME=str(blocked), HOME=str(blocked)))
+    assert result.returncode == 0, result.stderr

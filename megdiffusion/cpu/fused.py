@@ -45,7 +45,20 @@ def note_if_missing():
 
 
 if njit is not None:
-    _jit = njit(cache=True, fastmath=True, error_model="numpy", nogil=True)
+    def _compiled(**options):
+        """numba's ``njit`` with our options, the machine code cached on disk where numba finds a writable place
+        (beside this file, or the user's cache directory), else compiled once in each process."""
+        options.update(fastmath=True, error_model="numpy")
+
+        def decorate(function):
+            try:
+                return njit(cache=True, **options)(function)
+            except RuntimeError:  # "cannot cache function ...: no locator available"
+                return njit(**options)(function)
+
+        return decorate
+
+    _jit = _compiled(nogil=True)
 
     @intrinsic
     def _float_from_bits(typingctx, bits):
@@ -56,7 +69,7 @@ if njit is not None:
 
         return types.float32(types.int32), codegen
 
-    @njit(cache=True, fastmath=True, error_model="numpy", inline="always")
+    @_compiled(inline="always")
     def _exp(x):
         """exp(x) in float32: x = k ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial, times 2^k built
         from its bits. x is clamped to [-87.3, 88.3] so that 2^k stays a normal number: below, exp(-87.3) ~ 1e-38
@@ -73,7 +86,7 @@ if njit is not None:
         p = p * (r * r) + r + np.float32(1.0)
         return p * _float_from_bits((np.int32(k) + np.int32(127)) << np.int32(23))
 
-    @njit(cache=True, fastmath=True, error_model="numpy", inline="always")
+    @_compiled(inline="always")
     def _silu_slope(h, silu):
         """d SiLU(h) / dh when ``silu``, else 1 (a select, not a branch: the loop around it stays vectorised)."""
         s = np.float32(1.0) / (np.float32(1.0) + _exp(-h))
