@@ -387,36 +387,6 @@ def conv2d_backward(x, weight, dy, stride, padding, bias, run_groups, group=GROU
 
 
 
-_matmuls = {}
-
-
-def matmul(a, b):
-    """a @ b for float32 3-D arrays (a batch of matrices; views with any element strides, e.g. transposed ones, are
-    read in place) on oneDNN on the calling thread: a new C-contiguous array."""
-    elements = [tuple(stride // 4 for stride in array.strides) for array in (a, b)]
-    key = (a.shape, elements[0], b.shape, elements[1])
-    with _plans_lock:
-        plan = _matmuls.get(key)
-        if plan is None:
-            _stream()  # planned for one OpenMP thread
-            out_shape = a.shape[:2] + b.shape[2:]
-            descs = []
-            for shape, strides in ((a.shape, elements[0]), (b.shape, elements[1])):
-                desc = _ptr()
-                _call("dnnl_memory_desc_create_with_strides", ctypes.byref(desc), 3, _Dims(*shape), _F32,
-                      _Dims(*strides))
-                descs.append(desc)
-            descs.append(_desc(out_shape, b"abc"))
-            desc = _ptr()
-            _call("dnnl_matmul_primitive_desc_create", ctypes.byref(desc), _state.engine, descs[0], descs[1], None,
-                  descs[2], _state.attr)
-            plan = _matmuls[key] = (_Primitive(desc), descs, out_shape)
-    primitive, (a_desc, b_desc, out_desc), out_shape = plan
-    out = np.empty(out_shape, np.float32)
-    primitive({ARG_SRC: (a_desc, a), ARG_WEIGHTS: (b_desc, b), ARG_DST: (out_desc, out)})
-    return out
-
-
 def _relu_attr():
     """Primitive attributes with a user-managed scratchpad and a ReLU applied to the output (a post-op)."""
     attr, post_ops = _ptr(), _ptr()
@@ -429,19 +399,19 @@ def _relu_attr():
 
 
 class _Inference:
-    """A forward-only primitive on NHWC float32 activations as they are, one per input shape, created once (on the
-    first thread that meets it, planned for one OpenMP thread); calls may come from several threads at once, each
-    running on its own stream. Subclasses make the primitive (``_create``)."""
+    """A forward-only primitive on float32 arrays as they are (NHWC activations; a matmul's strided operands), one per
+    input shape (or key), created once (on the first thread that meets it, planned for one OpenMP thread); calls may
+    come from several threads at once, each running on its own stream. Subclasses make the primitive (``_create``)."""
 
     def __init__(self):
         self._plans = {}
 
-    def _plan(self, shape):
+    def _plan(self, key):
         with _plans_lock:
-            plan = self._plans.get(shape)
+            plan = self._plans.get(key)
             if plan is None:
                 _stream()  # primitives are planned for the OpenMP setting of the thread that creates them
-                plan = self._plans[shape] = self._create(shape)
+                plan = self._plans[key] = self._create(key)
         return plan
 
     def __call__(self, x):
@@ -509,4 +479,31 @@ class InferencePool(_Inference):
         return _Primitive(desc), x_desc, y_desc, (n,) + out_hw + (c,), {}
 
 
+class _MatMul(_Inference):
+    """a @ b for float32 3-D arrays (a batch of matrices; views with any element strides, e.g. transposed ones, are
+    read in place) on the calling thread: a new C-contiguous array. One primitive per shapes and strides."""
+
+    def _create(self, key):
+        a_shape, a_strides, b_shape, b_strides = key
+        descs = []
+        for shape, strides in ((a_shape, a_strides), (b_shape, b_strides)):
+            desc = _ptr()
+            _call("dnnl_memory_desc_create_with_strides", ctypes.byref(desc), 3, _Dims(*shape), _F32, _Dims(*strides))
+            descs.append(desc)
+        out_shape = a_shape[:2] + b_shape[2:]
+        descs.append(_desc(out_shape, b"abc"))
+        desc = _ptr()
+        _call("dnnl_matmul_primitive_desc_create", ctypes.byref(desc), _state.engine, descs[0], descs[1], None,
+              descs[2], _state.attr)
+        return _Primitive(desc), descs, out_shape
+
+    def __call__(self, a, b):
+        key = (a.shape, tuple(s // 4 for s in a.strides), b.shape, tuple(s // 4 for s in b.strides))
+        primitive, (a_desc, b_desc, out_desc), out_shape = self._plan(key)
+        out = np.empty(out_shape, np.float32)
+        primitive({ARG_SRC: (a_desc, a), ARG_WEIGHTS: (b_desc, b), ARG_DST: (out_desc, out)})
+        return out
+
+
+matmul = _MatMul()
 _relu = None
