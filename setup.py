@@ -27,7 +27,9 @@ setup(
                       # numpy layers run.
                       "numba==0.61.2", "llvmlite==0.44.0"],
     extras_require={
-        "dev": ["pytest", "pytest-xdist==3.8.0", "scipy", "wheel", "ruff>=0.17,<0.18"],
+        "dev": ["pytest", "pytest-xdist==3.8.0", "scipy", "wheel", "ruff>=0.17,<0.18", "lmdb"],
+        # scripts.prepare reads LSUN's LMDB with it.
+        "lmdb": ["lmdb"],
         "tensorboard": ["tensorboardX"],
         # benchmarks/vs_pytorch.py's PyTorch twin only; megdiffusion never imports torch.
         "bench": ["torch"],
@@ -42,6 +44,7 @@ setup(
             "megdiffusion-demo=megdiffusion.scripts.demo:run",
             "megdiffusion-convert=megdiffusion.scripts.convert:run",
             "megdiffusion-nll=megdiffusion.scripts.nll:run",
+            "megdiffusion-prepare=megdiffusion.scripts.prepare:run",
         ]
     },
 )

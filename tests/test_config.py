@@ -74,7 +74,7 @@ def test_choices_come_from_the_code_that_implements_them(tiny_config, name, choi
 def test_flags_list_the_choices_and_bounds():
     flag_values = flags.FlagValues()
     config.define_flags(flag_values)
-    assert "<fashion_mnist|cifar10|folder|npz>" in flag_values["dataset"].help
+    assert "<fashion_mnist|cifar10|folder|npz|prepared>" in flag_values["dataset"].help
     assert flag_values["ema_decay"].help.endswith("Must be >= 0 and < 1.")
     assert "<fixedlarge|fixedsmall|learned_range|learned>" in flag_values["var_type"].help
     assert "<mse|hybrid>" in flag_values["loss_type"].help and "<ho|pytorch_ddpm|iddpm>" in \

@@ -66,8 +66,15 @@ def test_labels_of_cifar10_npz_and_folder(tmp_path):
     np.savez(tmp_path / "float.npz", arr_0=images, arr_1=np.zeros(3))
     with pytest.raises(DatasetError, match="must be integers"):
         load_labels("npz", str(tmp_path / "float.npz"))
-    with pytest.raises(DatasetError, match="'folder' has no class labels"):
-        load_labels("folder", str(tmp_path))
+    folder = tmp_path / "folder"
+    for name in ("b/2.png", "a/1.png", "b/1.png", "c/deeper/1.png"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        save_png(folder / name, np.zeros((4, 4), np.uint8))
+    # classes are the first-level subfolders, sorted; images in path order (a/1, b/1, b/2, c/deeper/1)
+    np.testing.assert_array_equal(load_labels("folder", str(folder)), [0, 1, 1, 2])
+    save_png(folder / "loose.png", np.zeros((4, 4), np.uint8))
+    with pytest.raises(DatasetError, match="loose.png .* lie in .* itself; move the images into one subfolder"):
+        load_labels("folder", str(folder))
 
 
 def test_idx_round_trip(tmp_path):
@@ -111,8 +118,11 @@ def test_folder_crops_resizes_and_reports_bad_files(tmp_path):
     assert images[0].min() == 77  # b.png (gray -> RGB) sorts first
     assert images[1].min() >= 250  # a.png: only the white centre survives the crop
     (tmp_path / "broken.jpg").write_bytes(b"not an image")
+    images = load_dataset("folder", str(tmp_path), image_size=10)  # streamed: read when a batch needs it
+    assert images.shape == (3, 10, 10, 3)
+    np.testing.assert_array_equal(images[np.array([2, 0])][0], images[2])  # broken.jpg is images[1]
     with pytest.raises(DatasetError, match="broken.jpg"):
-        load_dataset("folder", str(tmp_path), image_size=10)
+        images[np.arange(3)]
 
 
 def test_npz_and_errors(tmp_path):
@@ -165,7 +175,7 @@ def test_16_bit_gray_is_scaled_and_32_bit_pixels_are_refused(tmp_path):
     np.testing.assert_array_equal(ImageFolder(tmp_path)[0], np.repeat(expected[..., None], 3, axis=2))
     Image.fromarray(values.astype(np.int32)).save(tmp_path / "g32.tif")
     with pytest.raises(DatasetError, match="g32.tif has 32-bit integer pixels; convert it to 8 or 16 bits"):
-        load_dataset("folder", str(tmp_path), image_size=2)
+        load_dataset("folder", str(tmp_path), image_size=2)[np.arange(2)]
 
 
 def test_cifar10_batches_of_python_2_load_and_crafted_ones_are_refused(tmp_path):

@@ -8,20 +8,16 @@ import os
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
-from megdiffusion.errors import MegdiffusionError, one_line
+from megdiffusion.data.prepared import PreparedDataset, is_prepared
+from megdiffusion.data.sources import IMAGE_EXTENSIONS, ArraySource, DatasetError, FolderSource, LmdbSource, \
+    decode_array, decode_file, image_paths, is_lmdb, subfolder_classes
+from megdiffusion.errors import one_line
 from megdiffusion.fileio import read_npz
-from megdiffusion.images import ImageError, open_image
 from megdiffusion.formats.torch_archive import load_array_pickle
 
 ASSETS = Path(__file__).parent / "assets"
 IMAGES, LABELS = "images-idx3", "labels-idx1"  # the two kinds of Fashion-MNIST idx file
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
-
-
-class DatasetError(MegdiffusionError):
-    """Bad dataset input; the message is one line that says what is wrong and how to fix it."""
 
 
 def _read_idx(path):
@@ -116,22 +112,15 @@ def _cifar10(path):
     return np.concatenate(arrays).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
 
 
-def _centre_crop_resize(image, size):
-    """Centre-crop a PIL image to a square, then resize it to size x size (bicubic)."""
-    w, h = image.size
-    side = min(w, h)
-    left, top = (w - side) // 2, (h - side) // 2
-    image = image.crop((left, top, left + side, top + side))
-    return image if side == size else image.resize((size, size), Image.BICUBIC)
-
-
 class ImageFolder:
-    """The images under a directory (recursive, sorted paths, ``IMAGE_EXTENSIONS``), read lazily as uint8
-    HWC RGB (``images.open_image``: 16-bit gray is scaled); with ``image_size``, centre-cropped to a square
-    and resized to it. Training's "folder" dataset and FID's image directories both read through it."""
+    """The images under a directory (``sources.image_paths``: recursive, sorted), decoded when an item is asked
+    for, as uint8 HWC RGB; with ``image_size``, centre-cropped and resized to it (``sources.fit_square``). An index
+    array gives the stacked images. Training's streamed "folder" dataset and FID's image directories read through
+    it; it never holds more than the images asked for. Pickles as its paths (worker processes decode too)."""
 
-    def __init__(self, root, image_size=None):
-        self.paths = sorted(p for p in Path(root).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+    def __init__(self, root, image_size=None, paths=None):
+        self.root = root
+        self.paths = image_paths(root) if paths is None else paths
         if not self.paths:
             raise DatasetError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) found under {root}")
         self.image_size = image_size
@@ -139,12 +128,23 @@ class ImageFolder:
     def __len__(self):
         return len(self.paths)
 
+    @property
+    def shape(self):
+        """(N, size, size, 3): what the stacked folder would be (with ``image_size``)."""
+        return (len(self.paths), self.image_size, self.image_size, 3)
+
     def __getitem__(self, index):
-        try:
-            image = open_image(self.paths[index])
-        except ImageError as exc:
-            raise DatasetError(str(exc)) from None
-        return np.asarray(_centre_crop_resize(image, self.image_size) if self.image_size else image)
+        if isinstance(index, (int, np.integer)):
+            return decode_file(self.paths[index], self.image_size)
+        if isinstance(index, slice):
+            index = range(len(self))[index]
+        images = [decode_file(self.paths[i], self.image_size) for i in np.asarray(index).reshape(-1)]
+        return np.stack(images) if images else np.empty((0,) + self.shape[1:], np.uint8)
+
+    def labels(self):
+        """Class labels from the first-level subfolders (sorted names), and the names."""
+        classes, labels = subfolder_classes(self.root, self.paths)
+        return labels, classes
 
 
 def _folder(path, image_size):
@@ -152,11 +152,19 @@ def _folder(path, image_size):
         raise DatasetError(f"--data_path must be a directory of images for dataset 'folder', got {path!r}")
     if not image_size:
         raise DatasetError("dataset 'folder' needs --image_size (images are centre-cropped and resized to it)")
-    folder = ImageFolder(path, image_size)
-    images = np.empty((len(folder), image_size, image_size, 3), np.uint8)
-    for i in range(len(folder)):
-        images[i] = folder[i]
-    return images
+    return ImageFolder(path, image_size)
+
+
+def _prepared(path, image_size):
+    if path is None or not is_prepared(path):
+        raise DatasetError(f"--data_path must be a file written by megdiffusion.scripts.prepare for dataset "
+                           f"'prepared', got {path!r}")
+    dataset = PreparedDataset(path)
+    size = dataset.record["size"]
+    if image_size and image_size != size:
+        raise DatasetError(f"{path} holds {size}x{size} images, not --image_size {image_size}: prepare the source "
+                           f"again with --image_size {image_size}, or train at {size}")
+    return dataset.images
 
 
 def _npz(path):
@@ -176,16 +184,6 @@ def _npz(path):
     return images
 
 
-def _resize_all(images, size):
-    """Resize square uint8 NHWC images to size x size (centre-cropping non-square ones)."""
-    mode = "L" if images.shape[3] == 1 else "RGB"
-    out = np.empty((len(images), size, size, images.shape[3]), np.uint8)
-    for i, image in enumerate(images):
-        resized = _centre_crop_resize(Image.fromarray(image.squeeze(2) if mode == "L" else image, mode), size)
-        out[i] = np.asarray(resized).reshape(size, size, -1)
-    return out
-
-
 def _npz_labels(path):
     arrays = read_npz(path) if path is not None and Path(path).is_file() else {}
     if "arr_1" not in arrays:
@@ -194,16 +192,27 @@ def _npz_labels(path):
     return arrays["arr_1"]
 
 
-def _no_labels(path):
-    raise DatasetError("dataset 'folder' has no class labels; train it unconditionally (--num_classes=0), or "
-                       "save the images with their labels as an npz (--dataset=npz: 'arr_0' images, 'arr_1' labels)")
+def _folder_labels(path):
+    if path is None or not Path(path).is_dir():
+        raise DatasetError(f"--data_path must be a directory of images for dataset 'folder', got {path!r}")
+    return ImageFolder(path).labels()[0]
+
+
+def _prepared_labels(path):
+    labels = PreparedDataset(path).labels if path is not None and is_prepared(path) else None
+    if labels is None:
+        raise DatasetError(f"{path} was prepared without class labels; prepare it again from a source with labels "
+                           "(a folder with --labels subfolders, CIFAR-10, an npz with 'arr_1'), or train "
+                           "unconditionally (--num_classes=0)")
+    return labels
 
 
 _LABEL_LOADERS = {
     "fashion_mnist": lambda path: read_idx_labels(_fashion_mnist_file(path, LABELS)),
     "cifar10": lambda path: np.concatenate([batch[b"labels"] for batch in _cifar10_batches(path)]),
-    "folder": _no_labels,
+    "folder": _folder_labels,
     "npz": _npz_labels,
+    "prepared": _prepared_labels,
 }
 
 
@@ -225,6 +234,7 @@ _LOADERS = {
     "cifar10": lambda path, size: _cifar10(path),
     "folder": _folder,
     "npz": lambda path, size: _npz(path),
+    "prepared": _prepared,
 }
 DATASETS = tuple(_LOADERS)
 
@@ -244,5 +254,55 @@ def load_dataset(name, path=None, image_size=None):
     if len(images) == 0:
         raise DatasetError(f"dataset {name!r} at {path} is empty")
     if image_size and images.shape[1:3] != (image_size, image_size):
-        images = _resize_all(images, image_size)
+        images = np.stack([decode_array(image, image_size) for image in images])
     return images
+
+
+LABEL_CHOICES = ("auto", "subfolders", "none")
+
+
+def source_for(spec, labels="auto"):
+    """The ``sources.Source`` that ``spec`` names, for ``prepare``: "fashion_mnist" (the embedded split), a
+    directory (LSUN's LMDB, CIFAR-10's python batches, Fashion-MNIST's idx files, else a folder of images), an LMDB
+    data file, an npz (``arr_0``, labels ``arr_1``) or an idx images file. ``labels``: "auto" keeps the labels the
+    source has (CIFAR-10's, an npz's ``arr_1``, the idx labels file beside the images; a folder has none),
+    "subfolders" takes a folder's first-level subfolders as classes, "none" drops them."""
+    path = Path(spec)
+    if labels == "subfolders" and not (path.is_dir() and not _array_dataset(path) and not is_lmdb(path)):
+        raise DatasetError(f"--labels subfolders takes classes from a folder's subfolders; {spec} is not a folder of "
+                           "images")
+    if is_lmdb(path):
+        return LmdbSource(spec)
+    name = _array_dataset(path) if spec != "fashion_mnist" else "fashion_mnist"
+    if name is None and path.is_dir():
+        return FolderSource(spec, labels=labels == "subfolders")
+    if name is None:
+        raise DatasetError(f"{spec} is not a folder of images, an LMDB, CIFAR-10's python batches, Fashion-MNIST's "
+                           "idx files, an .npz of uint8 NHWC images or 'fashion_mnist'")
+    location = None if spec == "fashion_mnist" else spec
+    images = load_dataset(name, location)
+    kept = None
+    if labels == "auto" and (name != "npz" or "arr_1" in read_npz(spec)):
+        try:
+            kept = load_labels(name, location)
+        except DatasetError:
+            if name != "fashion_mnist":  # idx images without their labels file are images without labels
+                raise
+    if kept is not None and len(kept) != len(images):
+        raise DatasetError(f"{spec} has {len(images)} images but {len(kept)} labels")
+    return ArraySource(images, kept, f"{name} {os.path.abspath(spec) if location else '(embedded test split)'}")
+
+
+def _array_dataset(path):
+    """The dataset name of a source held as arrays ("cifar10", "fashion_mnist", "npz"), or None."""
+    if path.is_dir():
+        if (path / "data_batch_1").is_file() or (path / "cifar-10-batches-py").is_dir():
+            return "cifar10"
+        if any(_idx_file(path, f"{split}-{IMAGES}-ubyte") for split in ("train", "t10k")):
+            return "fashion_mnist"
+        return None
+    if path.suffix == ".npz":
+        return "npz"
+    if IMAGES in path.name:
+        return "fashion_mnist"
+    return None

@@ -23,7 +23,8 @@ def per_rank_batch(global_batch, world_size):
 
 
 class BatchLoader:
-    """Batches of ``images`` (uint8 NHWC) as float32 NCHW in [-1, 1], with their class ``labels`` (int, (N,)) when
+    """Batches of ``images`` (uint8 NHWC: an array, a memory map, or anything indexed by an index array that has
+    ``shape``, e.g. ``datasets.ImageFolder``) as float32 NCHW in [-1, 1], with their class ``labels`` (int, (N,)) when
     given, for one rank of ``world_size``."""
 
     def __init__(self, images, batch_size, seed, world_size=1, rank=0, random_flip=True, labels=None):
@@ -71,6 +72,12 @@ class BatchLoader:
     def next_batch(self):
         """This rank's next batch: (float32 NCHW in [-1, 1], its labels or None)."""
         indices, flips = self.next_indices()
-        images = self.images[indices]
-        images[flips] = images[flips, :, ::-1]
-        return to_float(images), None if self.labels is None else self.labels[indices]
+        return batch_images(self.images, indices, flips), None if self.labels is None else self.labels[indices]
+
+
+def batch_images(images, indices, flips):
+    """The float32 NCHW batch in [-1, 1] of ``images[indices]`` (an array, a memory map or a streamed folder),
+    mirrored left-right where ``flips``."""
+    batch = np.asarray(images[indices])
+    batch[flips] = batch[flips, :, ::-1]
+    return to_float(batch)

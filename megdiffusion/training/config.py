@@ -51,7 +51,10 @@ class TrainConfig:
 
     # Data
     dataset: str = _flag("fashion_mnist", "The embedded Fashion-MNIST split (or its idx files), CIFAR-10's "
-                         "python batches, a folder of images, or an npz of uint8 NHWC images.", choices=DATASETS)
+                         "python batches, a folder of images (read as the steps need them; with --num_classes, its "
+                         "first-level subfolders are the classes), an npz of uint8 NHWC images, or a file made by "
+                         "megdiffusion.scripts.prepare (read by memory map; a --data_path to such a file is "
+                         "recognised whatever --dataset says).", choices=DATASETS)
     data_path: Optional[str] = _flag(None, "Dataset location (directory or file); embedded data if unset.")
     image_size: Optional[int] = _flag(None, "Image size; unset = the dataset's size (required for folder).", min=1)
     random_flip: bool = _flag(True, "Random horizontal flips of training images.")
@@ -125,6 +128,9 @@ class TrainConfig:
                       "dynamic loss scaling that skips an update whose gradients overflow.")
     trace: bool = _flag(False, "Run each micro-batch's forward and backward as one megengine.jit.trace(symbolic=True) "
                         "graph on MegEngine's kernels (GPUs); needs --dropout 0.")
+    data_workers: int = _flag(1, "Processes that make the next steps' batches (reading and decoding images from disk) "
+                              "and random draws while the current step runs; 0: in the training process. Any number "
+                              "gives the same batches.", min=0, max=64)
     # Outputs
     logdir: str = _flag("runs/train", "Directory for checkpoints, metrics, sample grids and flags.")
     log_every: int = _flag(10, "Write metrics every this many steps.", min=1)
@@ -381,9 +387,14 @@ def config_from_flags(flag_values):
 
 
 def resolve(cfg):
-    """Load the dataset, fill ``image_size``/``image_channels`` from it and validate: ``(cfg, images)``."""
+    """Open the dataset (a prepared file by memory map, a folder as a list of paths: nothing is decoded here), fill
+    ``image_size``/``image_channels`` from it and validate: ``(cfg, images)``. A ``--data_path`` to a prepared file
+    makes the dataset "prepared"."""
     from megdiffusion.data.datasets import load_dataset, load_labels
+    from megdiffusion.data.prepared import is_prepared
 
+    if cfg.data_path is not None and cfg.dataset != "prepared" and is_prepared(cfg.data_path):
+        cfg = cfg.replace(dataset="prepared")
     if cfg.image_size is not None:
         validate(cfg)  # fail before reading a possibly large dataset
     images = load_dataset(cfg.dataset, path=cfg.data_path, image_size=cfg.image_size)

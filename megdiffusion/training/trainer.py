@@ -4,6 +4,7 @@ Randomness without saved generator state: a step's timesteps, noise and dropout 
 the samples' place in the global batch) (``draws``), the data order a function of (seed, epoch). A checkpoint
 therefore only needs the step count, the loader position and the name of the draw scheme to continue bit for bit.
 """
+import functools
 import os
 import signal
 import time
@@ -22,6 +23,7 @@ from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
 from megdiffusion.training.config import ConfigError, TrainConfig, build_diffusion, build_model
 from megdiffusion.training.draws import PER_SAMPLE, draw_step, first_sample
+from megdiffusion.training.feed import StepFeed
 from megdiffusion.training.flat_update import FlatUpdate
 from megdiffusion.training.outputs import RUN_MARKER, RunLogger, grid_path, sample_grid, write_run_files
 from megdiffusion.training.step_parts import EngineSource, EngineUpdate, LossScaler, NonFiniteLossError, \
@@ -140,10 +142,17 @@ class Trainer:
                          self.step_count if step is None else step, shape, labels, self.rank, self.first_index)
 
     @np.errstate(over="ignore", invalid="ignore", divide="ignore")  # a non-finite loss is one error, not warnings
-    def step(self, x0, labels=None):
+    def draw_function(self):
+        """``draw(step, shape, labels)``: this rank's ``StepDraws`` at any step, as a picklable function (the data
+        workers of ``feed.StepFeed`` draw with it)."""
+        return functools.partial(draw_step, self.draw_scheme, self.cfg, self.diffusion.num_timesteps,
+                                 rank=self.rank, first_index=self.first_index)
+
+    def step(self, x0, labels=None, draws=None):
         """One update on this rank's batch ``x0`` (float32 NCHW in [-1, 1]), with its class ``labels`` (int, (N,))
         for a class-conditional network (with ``class_dropout``, each is replaced by ``NO_CLASS`` with that
-        probability): {"loss", "grad_norm", "lr"}, with ``--amp`` also "loss_scale" (the scale this step used),
+        probability), and the step's ``draws`` when they were made ahead (``draw_function``; default: drawn
+        here): {"loss", "grad_norm", "lr"}, with ``--amp`` also "loss_scale" (the scale this step used),
         "update_skipped" (its gradients overflowed: no update) and "skipped_updates" (over the run).
 
         The loss is the batch mean of ``training_losses``' ``loss``, computed in ``--microbatch`` pieces; gradients
@@ -153,7 +162,7 @@ class Trainer:
         (the same for any cut into multiples of 8).
         """
         cfg = self.cfg
-        draws = self.draws(x0.shape, labels)
+        draws = self.draws(x0.shape, labels) if draws is None else draws
         mge.random.seed(draws.dropout_seed)
         lr = warmup_lr(cfg, self.step_count)
         for group in self._optimizer.param_groups:
@@ -238,6 +247,7 @@ class TrainingRun:
         self.trainer = Trainer(cfg, world_size, rank)
         labels = load_labels(cfg.dataset, cfg.data_path) if cfg.num_classes else None
         self.loader = BatchLoader(images, cfg.batch_size, cfg.seed, world_size, rank, cfg.random_flip, labels)
+        self.feed = None  # made when the loop starts: the draws follow a resumed run's scheme
         self.writes = rank == 0
         self.progress = progress
         self.stop_signal = None
@@ -266,7 +276,7 @@ class TrainingRun:
         """Checkpoint the current state (rank 0) and drop the oldest beyond ``keep_checkpoints``."""
         step = self.trainer.step_count
         if self.writes and self.saved_step != step:
-            state = ckpt.snapshot(self.trainer, self.loader)
+            state = ckpt.snapshot(self.trainer, self.feed or self.loader)
             ckpt.save_checkpoint(ckpt.checkpoint_path(self.cfg.logdir, step), state)
             ckpt.prune_checkpoints(self.cfg.logdir, self.cfg.keep_checkpoints)
         self.saved_step = step
@@ -289,9 +299,12 @@ class TrainingRun:
                 self.logger.message(f"resumed from {resumed_from} at step {self.trainer.step_count}")
             elif init_step is not None:
                 self.logger.message(f"started from the weights of {cfg.init_from} (step {init_step} of its run)")
+        self.feed = StepFeed(self.loader, self.trainer.draw_function(), cfg.data_workers,
+                             perturbation=bool(cfg.input_perturbation))
         try:
             self._loop()
         finally:
+            self.feed.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             if self.logger is not None:
@@ -308,7 +321,7 @@ class TrainingRun:
                and (self.deadline is None or time.monotonic() < self.deadline)):
             try:
                 start = time.perf_counter()
-                metrics = self.trainer.step(*self.loader.next_batch())
+                metrics = self.trainer.step(*self.feed.next(self.trainer.step_count))
                 metrics["images_per_s"] = cfg.batch_size / (time.perf_counter() - start)
                 self.maintenance(metrics)
             except NonFiniteLossError as error:

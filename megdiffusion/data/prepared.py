@@ -1,0 +1,201 @@
+"""The prepared dataset: one file of uint8 NHWC images at the training resolution, read by memory map.
+
+Layout: ``MAGIC`` and two little-endian uint64 (the record's offset and length) in the first 24 bytes; the images
+from byte ``DATA_OFFSET``, image after image; int32 class labels after them when the source has labels; the record
+(JSON: count, size, channels, classes, source, crop rule, checksum, skipped files) last. The file is written under a
+temporary name and renamed when whole (``fileio.atomic_write``), so a killed or failed ``prepare`` leaves nothing
+that ``open_prepared`` accepts; a truncated or damaged file fails its size check.
+
+A mapped file's pages are page cache: every process that trains on it shares them, and none holds the dataset in
+its own memory.
+"""
+import collections
+import hashlib
+import json
+import multiprocessing
+import os
+import struct
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+
+from megdiffusion.data.sources import CROP_RULE, DatasetError, decode
+from megdiffusion.errors import one_line
+from megdiffusion.fileio import atomic_write, check_writable
+
+MAGIC = b"MEGDDSET"
+FORMAT = "megdiffusion prepared dataset 1"
+DATA_OFFSET = 4096
+_HEADER = struct.Struct("<8sQQ")
+CHUNK = 64  # images a worker decodes per task
+
+
+def is_prepared(path):
+    """Whether ``path`` is a file that begins like a prepared dataset."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+
+
+class PreparedDataset:
+    """A prepared file opened: ``images`` (a read-only ``np.memmap``, N x S x S x C), ``labels`` (int32 (N,) or
+    None), ``record`` (the JSON record). Pickles as its path (worker processes map the file again)."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        self.record = read_record(self.path)
+        r = self.record
+        self.images = np.memmap(self.path, np.uint8, "r", DATA_OFFSET, (r["count"], r["size"], r["size"],
+                                                                        r["channels"]))
+        self.labels = None
+        if r["has_labels"]:
+            offset = DATA_OFFSET + self.images.size
+            self.labels = np.fromfile(self.path, "<i4", r["count"], offset=offset).astype(np.int32)
+
+    def __reduce__(self):
+        return PreparedDataset, (self.path,)
+
+    def describe(self):
+        """One line: how many images, at what size, from what, in how many classes."""
+        r = self.record
+        classes = f", {len(r['classes'])} classes" if r["classes"] else (", labelled" if r["has_labels"] else "")
+        skipped = f", {len(r['skipped'])} unreadable skipped" if r["skipped"] else ""
+        return (f"{r['count']:,} images of {r['size']}x{r['size']}x{r['channels']}{classes}{skipped} "
+                f"(prepared from {r['source']}: {r['crop']})")
+
+
+def read_record(path):
+    """The record of the prepared file at ``path``; ``DatasetError`` (one line) for a file that is not one, or is
+    truncated or damaged."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            magic, offset, length = _HEADER.unpack(f.read(_HEADER.size).ljust(_HEADER.size, b"\0"))
+            if magic != MAGIC:
+                raise DatasetError(f"{path} is not a prepared dataset (make one with megdiffusion.scripts.prepare)")
+            if offset + length != size or offset < DATA_OFFSET:
+                raise DatasetError(f"{path} is truncated or damaged ({size} bytes, the header promises "
+                                   f"{offset + length}); prepare it again")
+            f.seek(offset)
+            record = json.loads(f.read(length))
+    except OSError as exc:
+        raise DatasetError(f"cannot read {path}: {one_line(exc)}") from None
+    except ValueError:
+        raise DatasetError(f"{path}: its record is damaged; prepare it again") from None
+    expected = DATA_OFFSET + record["count"] * record["size"] ** 2 * record["channels"] \
+        + (4 * record["count"] if record["has_labels"] else 0)
+    if record.get("format") != FORMAT or expected != offset:
+        raise DatasetError(f"{path} is truncated or damaged (its images end at byte {offset}, its record says "
+                           f"{expected}); prepare it again")
+    return record
+
+
+def checksum(path):
+    """The SHA-256 of a prepared file's images and labels, as its record writes it (reads the whole file)."""
+    record = read_record(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(DATA_OFFSET)
+        remaining = record["count"] * record["size"] ** 2 * record["channels"] + 4 * record["count"] * \
+            record["has_labels"]
+        while remaining:
+            block = f.read(min(remaining, 1 << 24))
+            digest.update(block)
+            remaining -= len(block)
+    return "sha256:" + digest.hexdigest()
+
+
+def _decode_chunk(kind, names, items, size, skip_bad):
+    """Decode one chunk (in a worker): (uint8 (n, S, S, C) of the images that read, [(position, name, reason)] of
+    those that did not). Without ``skip_bad`` the first unreadable image raises ``DatasetError``."""
+    images, failed = [], []
+    for position, (name, item) in enumerate(zip(names, items)):
+        try:
+            images.append(decode(kind, name, item, size))
+        except DatasetError as exc:
+            if not skip_bad:
+                raise
+            failed.append((position, name, str(exc)))
+    stacked = np.stack(images) if images else None
+    return stacked, failed
+
+
+def _chunks_in_order(source, size, skip_bad, workers):
+    """The decoded chunks of ``source`` in order, at most ``2 * workers`` in flight (memory does not grow with the
+    source); decoded in this process when ``workers`` is 0."""
+    if workers == 0:
+        for start, names, items in source.chunks(CHUNK):
+            yield start, names, _decode_chunk(source.kind, names, items, size, skip_bad)
+        return
+    context = multiprocessing.get_context("spawn")  # the caller may hold threads (or a CUDA context)
+    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        pending = collections.deque()
+        try:
+            for start, names, items in source.chunks(CHUNK):
+                pending.append((start, names, pool.submit(_decode_chunk, source.kind, names, items, size, skip_bad)))
+                while len(pending) >= 2 * workers:
+                    start_, names_, future = pending.popleft()
+                    yield start_, names_, future.result()
+            while pending:
+                start_, names_, future = pending.popleft()
+                yield start_, names_, future.result()
+        finally:
+            for _, _, future in pending:
+                future.cancel()
+
+
+def prepare(source, dest, size, workers=None, skip_bad=False, overwrite=False, progress=False):
+    """Write ``source`` (a ``sources.Source``) to the prepared file ``dest`` at ``size`` x ``size``; returns the
+    record. ``workers`` decode in parallel (default: every core; 0: in this process). Unreadable images are one
+    ``DatasetError`` naming the file, or with ``skip_bad`` left out, counted and listed in the record. ``dest`` is
+    checked before any work and written atomically."""
+    check_writable(dest, "DEST", directory=False, overwrite=overwrite)
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    channels = source.channels
+    digest = hashlib.sha256()
+    kept_labels, skipped, count = [], [], 0
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(source), unit="img", desc="prepare", dynamic_ncols=True, file=sys.stderr)
+    try:
+        with atomic_write(dest) as f:
+            f.write(b"\0" * DATA_OFFSET)
+            for start, names, (images, failed) in _chunks_in_order(source, size, skip_bad, workers):
+                bad = {position for position, _, _ in failed}
+                skipped += [{"name": name, "reason": reason} for _, name, reason in failed]
+                if images is not None:
+                    if images.shape[1:] != (size, size, channels):
+                        raise DatasetError(f"{names[0]} decoded to {images.shape[1:]}, not ({size}, {size}, "
+                                           f"{channels})")
+                    block = np.ascontiguousarray(images).tobytes()
+                    f.write(block)
+                    digest.update(block)
+                    count += len(images)
+                if source.labels is not None:
+                    kept_labels += [source.labels[start + i] for i in range(len(names)) if i not in bad]
+                if bar is not None:
+                    bar.update(len(names))
+            if count == 0:
+                raise DatasetError(f"no image of {source.description} could be read ({len(skipped)} skipped)")
+            if source.labels is not None:
+                block = np.asarray(kept_labels, "<i4").tobytes()
+                f.write(block)
+                digest.update(block)
+            record = {"format": FORMAT, "count": count, "size": size, "channels": channels,
+                      "has_labels": source.labels is not None, "classes": source.classes,
+                      "source": source.description, "crop": CROP_RULE.format(size=size),
+                      "checksum": "sha256:" + digest.hexdigest(), "skipped": skipped}
+            offset = f.tell()
+            text = json.dumps(record).encode()
+            f.write(text)
+            f.seek(0)
+            f.write(_HEADER.pack(MAGIC, offset, len(text)))
+    finally:
+        if bar is not None:
+            bar.close()
+    return record

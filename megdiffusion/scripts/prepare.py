@@ -1,0 +1,78 @@
+"""Prepare a dataset for training: ``python -m megdiffusion.scripts.prepare SRC DEST --image_size N``.
+
+SRC: a folder of images (recursive; ``--labels subfolders`` makes its first-level subfolders the classes), LSUN's
+LMDB (needs ``pip install 'megdiffusion[lmdb]'``), CIFAR-10's python batches, an npz of uint8 NHWC images
+(``arr_0``, labels ``arr_1``), Fashion-MNIST's idx files, or ``fashion_mnist`` (the embedded split). DEST: one file
+of uint8 images at the training resolution, centre-cropped and resized (``data.prepared``), with the labels and a
+record of what it holds; ``train --data_path DEST`` reads it by memory map. Images are decoded in worker processes
+(every core by default), with a progress bar; DEST is written atomically. Bad input: one ``error:`` line, exit
+code 2, nothing written.
+"""
+import os
+import signal
+
+from absl import app, flags
+
+from megdiffusion.cli import UsageError, one_line_errors, parse_flags
+from megdiffusion.data.sources import ArraySource
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("image_size", None, "The training resolution: every image is centre-cropped to a square and "
+                     "resized to it (PIL bicubic). Default: the source's own size, for sources of one size (CIFAR-10, "
+                     "npz, idx).")
+flags.DEFINE_enum("labels", "auto", ("auto", "subfolders", "none"), "Class labels: auto keeps the source's "
+                  "(CIFAR-10's, an npz's arr_1, Fashion-MNIST's; a folder has none), subfolders takes a folder's "
+                  "first-level subfolder names (sorted) as classes 0, 1, ..., none writes no labels.")
+flags.DEFINE_integer("workers", None, "Processes that decode images (default: one per core; 0: this process).")
+flags.DEFINE_bool("skip_bad", False, "Leave out images that cannot be read, counted and listed in DEST's record "
+                  "(default: stop at the first with one error line naming it).")
+flags.DEFINE_bool("overwrite", False, "Replace DEST when it exists.")
+flags.DEFINE_bool("progress", True, "Show a progress bar with images/s and the time left on stderr.")
+
+
+def _stop_on_sigterm(signum, frame):
+    raise KeyboardInterrupt  # the partial file is removed on the way out
+
+
+def main(argv):
+    from megdiffusion.data.datasets import source_for
+    from megdiffusion.data.prepared import prepare
+
+    with one_line_errors():
+        if len(argv) != 3:
+            raise UsageError(f"expected two arguments, SRC DEST; got {len(argv) - 1}")
+        src, dest = argv[1:]
+        if os.path.exists(src) and os.path.exists(dest) and os.path.samefile(src, dest):
+            raise UsageError(f"DEST {dest} is SRC itself; give DEST a new name")
+        if not os.path.exists(src) and src != "fashion_mnist":
+            raise UsageError(f"SRC {src} does not exist")
+        source = source_for(src, FLAGS.labels)
+        size = FLAGS.image_size or _one_size(source)
+        if not size:
+            raise UsageError(f"{src} holds images of many sizes: give --image_size (the training resolution)")
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
+        record = prepare(source, dest, size, FLAGS.workers, FLAGS.skip_bad, FLAGS.overwrite, FLAGS.progress)
+    classes = f", {len(record['classes'])} classes" if record["classes"] else \
+        (", labelled" if record["has_labels"] else ", no labels")
+    skipped = f"; {len(record['skipped'])} unreadable images skipped (listed in its record)" \
+        if record["skipped"] else ""
+    print(f"wrote {dest}: {record['count']:,} images of {size}x{size}x{record['channels']}{classes} from "
+          f"{record['source']} ({os.path.getsize(dest) / 2 ** 20:,.1f} MiB){skipped}; train with "
+          f"--data_path {dest}")
+
+
+def _one_size(source):
+    """The side of an array source's square images, or None (images of many sizes, or not square)."""
+    if not isinstance(source, ArraySource):
+        return None
+    _, height, width, _ = source.images.shape
+    return height if height == width else None
+
+
+def run():
+    """Console entry point (``megdiffusion-prepare``)."""
+    app.run(main, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+    run()
