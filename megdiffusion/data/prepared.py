@@ -195,6 +195,10 @@ def prepare(source, dest, size, workers=None, skip_bad=False, overwrite=False, p
             f.write(text)
             f.seek(0)
             f.write(_HEADER.pack(MAGIC, offset, len(text)))
+    except BaseException:
+        if bar is not None:
+            bar.leave = False  # the error line stands alone
+        raise
     finally:
         if bar is not None:
             bar.close()
