@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from megdiffusion.compat import cuda_driver_loadable
+from megdiffusion.data.prepared import prepare
+from megdiffusion.data.sources import ArraySource
 from megdiffusion.images import save_png
 from megdiffusion.training.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 
@@ -94,6 +96,10 @@ def shared(tmp_path_factory, tiny_config, tiny_images):
         Path(checkpoint_path(str(root / "run"), 2)).read_bytes()[:100])
     (root / "huge_header.safetensors").write_bytes((2 ** 62).to_bytes(8, "little") + b'{"w": {}}')
 
+    # issue 47
+    prepare(ArraySource(tiny_images(12), None, "tiny"), root / "p8.data", 8, workers=0)
+    (root / "truncated.data").write_bytes((root / "p8.data").read_bytes()[:-100])
+
     # issue 36 (compressed: an identity sigma of 2048 x 2048 is 32 MB)
     np.savez_compressed(root / "stats_plain.npz", mu=np.zeros(2048), sigma=np.eye(2048))
     np.savez_compressed(root / "one_feature.npz", mu=np.zeros(2048), sigma=np.eye(2048),
@@ -112,6 +118,46 @@ DEMO = ["--output=out", "--minutes=0.01", "--num_images=4", "--num_reference=4",
 # (id, script, arguments, what the error line says). Later flags override earlier ones; {shared} is the shared
 # directory (its samples' manifests name the shared run). Ids marked "17:" are the cases issue 17 reported broken.
 CASES = [
+    # prepare (issue 47)
+    ("47:prepare-no-images", "prepare", ["empty", "out.data", "--image_size=8"], "no images (.png, .jpg"),
+    ("47:prepare-corrupt-image", "prepare", ["images_broken", "out.data", "--image_size=8"],
+     "cannot read image images_broken/a.png"),
+    ("47:prepare-labels-of-a-flat-folder", "prepare", ["images", "out.data", "--image_size=8", "--labels=subfolders"],
+     "lie in images itself; move the images into one subfolder per class"),
+    ("47:prepare-subfolder-labels-of-an-npz", "prepare", ["data.npz", "out.data", "--labels=subfolders"],
+     "--labels subfolders takes classes from a folder's subfolders; data.npz is not a folder of images"),
+    ("47:prepare-dest-exists", "prepare", ["images", "afile.txt", "--image_size=8"],
+     "DEST afile.txt exists; give a new path, or --overwrite to replace it"),
+    ("47:prepare-dest-unwritable", "prepare", ["images", "/proc/x.data", "--image_size=8"],
+     "DEST /proc/x.data cannot be written"),
+    ("47:prepare-dest-under-a-file", "prepare", ["images", "afile.txt/x.data", "--image_size=8"],
+     "afile.txt is a file"),
+    ("prepare-dest-is-a-directory", "prepare", ["images", "empty", "--image_size=8"], "DEST empty is a directory"),
+    ("prepare-dest-is-src", "prepare", ["data.npz", "data.npz", "--overwrite"], "DEST data.npz is SRC itself"),
+    ("prepare-src-missing", "prepare", ["nope", "out.data", "--image_size=8"], "SRC nope does not exist"),
+    ("prepare-src-not-images", "prepare", ["afile.txt", "out.data", "--image_size=8"], "afile.txt is not a folder of"),
+    ("prepare-folder-without-size", "prepare", ["images", "out.data"], "give --image_size"),
+    ("prepare-size-zero", "prepare", ["images", "out.data", "--image_size=0"], "--image_size must be >= 1, got 0"),
+    ("prepare-workers-negative", "prepare", ["images", "out.data", "--image_size=8", "--workers=-1"],
+     "--workers must be >= 0 and <= 256, got -1"),
+    ("prepare-one-argument", "prepare", ["images"], "expected two arguments, SRC DEST; got 1"),
+    ("prepare-npz-without-images", "prepare", ["mu_only.npz", "out.data"], "has no 'arr_0' array"),
+    ("prepare-damaged-npz", "prepare", ["broken.npz", "out.data"], "cannot read broken.npz as an npz archive"),
+    # training on prepared data (issue 47)
+    ("47:prepared-truncated", "train", [*TRAIN, "--data_path=truncated.data"],
+     "truncated.data is truncated or damaged"),
+    ("47:prepared-other-resolution", "train", [*TRAIN, "--dataset=prepared", "--data_path=p8.data",
+                                               "--image_size=16"], "p8.data holds 8x8 images, not --image_size 16"),
+    ("prepared-without-labels", "train", [*TRAIN, "--data_path=p8.data", "--num_classes=3"],
+     "p8.data was prepared without class labels"),
+    ("prepared-not-a-prepared-file", "train", [*TRAIN, "--dataset=prepared", "--data_path=afile.txt"],
+     "must be a file written by megdiffusion.scripts.prepare"),
+    ("47:resume-on-other-data", "train", ["--flagfile=run/flags.cfg", "--logdir=run", "--resume",
+                                          "--data_path=p8.data"],
+     "was trained on 16 images (checksum unknown); this dataset has 12"),
+    ("data-workers-negative", "train", [*TRAIN, "--data_workers=-1"], "--data_workers must be >= 0 and <= 64, got -1"),
+    ("47:folder-of-a-size-without-recipe", "train", ["--dataset=folder", "--data_path=images", "--image_size=48"],
+     "no recipe for 48x48 without a --flagfile"),
     # train
     ("17:resume-other-recipe", "train", ["--flagfile=run/flags.cfg", "--logdir=run", "--resume", "--model_channels=64"],
      "was trained with different model_channels (--model_channels=32); use those flags, the run's flags.cfg"),
@@ -138,8 +184,8 @@ CASES = [
      " images; it holds: mu)"),
     ("npy-named-npz", "train", [*TRAIN, "--data_path=array.npz"], "holds a single .npy array, not an npz archive"),
     ("damaged-npz", "train", [*TRAIN, "--data_path=broken.npz"], "cannot read broken.npz as an npz archive"),
-    ("unreadable-image", "train", [*TRAIN, "--dataset=folder", "--data_path=images_broken", "--image_size=8"],
-     "cannot read image images_broken/a.png"),
+    ("streamed-folder-smaller-than-the-batch", "train", [*TRAIN, "--dataset=folder", "--data_path=images_broken",
+                                                         "--image_size=8"], "the dataset has 1 images, fewer than"),
     ("empty-folder", "train", [*TRAIN, "--dataset=folder", "--data_path=empty", "--image_size=8"], "no images"),
     ("crafted-cifar-batch", "train", [*TRAIN, "--dataset=cifar10", "--data_path=cifar_evil"],
      "refusing to load __builtin__.exec"),
@@ -177,7 +223,8 @@ CASES = [
     ("class-labels-miscounted", "train", [*TRAIN, "--data_path=three_labels.npz", "--num_classes=10"],
      "the dataset has 16 images but 3 class labels"),
     ("classes-of-a-folder", "train", [*TRAIN, "--dataset=folder", "--data_path=images", "--image_size=8",
-                                      "--batch_size=2", "--num_classes=2"], "dataset 'folder' has no class labels"),
+                                      "--batch_size=2", "--num_classes=2"],
+     "a folder's class labels are its first-level subfolders, but images/0.png (and 2 more) lie in images itself"),
     ("negative-num-classes", "train", [*TRAIN, "--num_classes=-1"], "--num_classes must be >= 0, got -1"),
     ("class-dropout-without-classes", "train", [*TRAIN, "--class_dropout=0.1"],
      "--class_dropout drops class labels: it needs a class-conditional run (--num_classes)"),

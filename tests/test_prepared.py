@@ -15,7 +15,7 @@ from PIL import Image
 from megdiffusion.data.datasets import ImageFolder, load_dataset, load_labels, source_for
 from megdiffusion.data.prepared import PreparedDataset, checksum, is_prepared, prepare, read_record
 from megdiffusion.data.sources import ArraySource, DatasetError, FolderSource
-from megdiffusion.training.checkpoint import load_latest
+from megdiffusion.training.checkpoint import CheckpointError, load_latest
 from megdiffusion.training.config import resolve
 from megdiffusion.training.trainer import train
 
@@ -233,3 +233,51 @@ def test_a_streamed_image_that_cannot_be_read_is_one_error(tmp_path, tiny_config
                                       logdir=str(tmp_path / "run"), data_workers=1, total_steps=4))
     with pytest.raises(DatasetError, match="cannot read image .*class_2/01.png"):
         train(cfg, images, progress=False)
+
+
+def test_resuming_on_other_data_is_refused(tmp_path, tiny_config):
+    images = np.random.default_rng(0).integers(0, 256, (16, 8, 8, 1), dtype=np.uint8)
+    prepare(ArraySource(images, None, "a"), tmp_path / "a.data", 8, workers=0)
+    prepare(ArraySource(images[::-1].copy(), None, "b"), tmp_path / "b.data", 8, workers=0)
+    cfg, data = resolve(tiny_config(data_path=str(tmp_path / "a.data"), logdir=str(tmp_path / "run"), total_steps=2))
+    assert cfg.dataset == "prepared"  # recognised by its record
+    train(cfg, data, progress=False)
+    other, other_data = resolve(cfg.replace(data_path=str(tmp_path / "b.data"), resume=True, total_steps=3))
+    with pytest.raises(CheckpointError, match=r"was trained on 16 images \(checksum sha256:.*\); this dataset has "
+                                              r"16 \(checksum sha256:"):
+        train(other, other_data, progress=False)
+    train(cfg.replace(resume=True, total_steps=3), data, progress=False)  # the run's own data resumes
+
+
+@pytest.mark.parametrize("argv, recipe", [
+    ([], "fashion_mnist_cpu.cfg"), (["--dataset=fashion_mnist", "--data_path", "x"], "fashion_mnist_cpu.cfg"),
+    (["--dataset=cifar10"], "cifar10.cfg"), (["--dataset", "folder", "--image_size", "32"], "own32.cfg"),
+    (["-dataset=npz", "-image_size=64"], "own64.cfg"), (["--data_path={prepared}"], "own32.cfg"),
+    (["--dataset=folder", "--image_size=48"], "no recipe for 48x48 without a --flagfile"),
+    (["--dataset=folder"], "no recipe for images of unknown size"),
+    (["--dataset=npz", "--model_channels=32", "--attention_resolutions="], None)])
+def test_train_without_a_flagfile_reads_the_recipe_that_fits(tmp_path, argv, recipe):
+    from megdiffusion.cli import UsageError
+    from megdiffusion.scripts.train import default_flagfile
+
+    prepare(ArraySource(np.zeros((2, 32, 32, 3), np.uint8), None, "zeros"), tmp_path / "p.data", 32, workers=0)
+    argv = [arg.replace("{prepared}", str(tmp_path / "p.data")) for arg in argv]
+    if recipe is None:  # the command line describes the network: no recipe under it
+        assert default_flagfile(argv) is None
+    elif recipe.endswith(".cfg"):
+        chosen = default_flagfile(argv)
+        assert os.path.basename(chosen) == recipe and os.path.isfile(chosen)
+    else:
+        with pytest.raises(UsageError, match=recipe):
+            default_flagfile(argv)
+
+
+@pytest.mark.parametrize("recipe, size", [("own32.cfg", 32), ("own64.cfg", 64)])
+def test_the_own_data_recipes_validate_at_their_size(tmp_path, recipe, size):
+    from megdiffusion.cli import config_from_flagfile
+    from megdiffusion.training.config import CONFIGS
+
+    prepare(ArraySource(np.zeros((128, size, size, 3), np.uint8), None, "zeros"), tmp_path / "p.data", size,
+            workers=0)
+    cfg, _ = config_from_flagfile(os.path.join(CONFIGS, recipe), data_path=str(tmp_path / "p.data"))
+    assert cfg.image_size == size and cfg.dataset == "prepared" and cfg.logdir == f"runs/own{size}"

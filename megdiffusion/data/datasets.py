@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from megdiffusion.data.prepared import PreparedDataset, is_prepared
-from megdiffusion.data.sources import IMAGE_EXTENSIONS, ArraySource, DatasetError, FolderSource, LmdbSource, \
-    decode_array, decode_file, image_paths, is_lmdb, subfolder_classes
+from megdiffusion.data.prepared import PreparedDataset, is_prepared, read_record
+from megdiffusion.data.sources import CROP_RULE, IMAGE_EXTENSIONS, ArraySource, DatasetError, FolderSource, \
+    LmdbSource, decode_array, decode_file, image_paths, is_lmdb, subfolder_classes
 from megdiffusion.errors import one_line
 from megdiffusion.fileio import read_npz
 from megdiffusion.formats.torch_archive import load_array_pickle
@@ -258,9 +258,6 @@ def load_dataset(name, path=None, image_size=None):
     return images
 
 
-LABEL_CHOICES = ("auto", "subfolders", "none")
-
-
 def source_for(spec, labels="auto"):
     """The ``sources.Source`` that ``spec`` names, for ``prepare``: "fashion_mnist" (the embedded split), a
     directory (LSUN's LMDB, CIFAR-10's python batches, Fashion-MNIST's idx files, else a folder of images), an LMDB
@@ -306,3 +303,23 @@ def _array_dataset(path):
     if IMAGES in path.name:
         return "fashion_mnist"
     return None
+
+
+def dataset_identity(name, path, count):
+    """What a run records of its data, to refuse resuming on other data: the image count, and a prepared file's
+    checksum (read from its record)."""
+    return {"count": int(count), "checksum": read_record(path)["checksum"] if name == "prepared" else None}
+
+
+def describe_dataset(name, path, images, num_classes=0):
+    """One line for a run's start: how many images, of what size, from where, how read, in how many classes."""
+    n, size, _, channels = images.shape
+    classes = f", {num_classes} classes" if num_classes else ""
+    if name == "prepared":
+        record = read_record(path)
+        how = f"prepared file {path} (memory-mapped; {record['source']}, {record['crop']})"
+    elif name == "folder":
+        how = f"folder {path} (streamed: decoded as batches need them; {CROP_RULE.format(size=size)})"
+    else:
+        how = f"{name}{' ' + str(path) if path else ''} (in memory)"
+    return f"{n:,} images of {size}x{size}x{channels}{classes} from {how}"

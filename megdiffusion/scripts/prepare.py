@@ -49,7 +49,8 @@ def main(argv):
         source = source_for(src, FLAGS.labels)
         size = FLAGS.image_size or _one_size(source)
         if not size:
-            raise UsageError(f"{src} holds images of many sizes: give --image_size (the training resolution)")
+            raise UsageError(f"give --image_size (the training resolution) to prepare {src}: its images are decoded "
+                             "one by one and may differ in size")
         signal.signal(signal.SIGTERM, _stop_on_sigterm)
         record = prepare(source, dest, size, FLAGS.workers, FLAGS.skip_bad, FLAGS.overwrite, FLAGS.progress)
     classes = f", {len(record['classes'])} classes" if record["classes"] else \

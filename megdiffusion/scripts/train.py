@@ -1,15 +1,18 @@
 """Train a DDPM: ``python -m megdiffusion.scripts.train [--flagfile configs/cifar10.cfg] [--flags...]``.
 
-Without a ``--flagfile`` the CPU recipe (configs/fashion_mnist_cpu.cfg, the embedded Fashion-MNIST
-split) is read first, so plain ``python -m megdiffusion.scripts.train`` trains something on a laptop;
-flags given on the command line override it. ``--num_gpus N`` trains on N GPUs with the same recipe.
+Without a ``--flagfile`` a recipe that fits the data is read first (``default_flagfile``): the CPU recipe
+(configs/fashion_mnist_cpu.cfg) for the embedded Fashion-MNIST split, so plain ``python -m
+megdiffusion.scripts.train`` trains something on a laptop; for one's own images (a folder, an npz, a prepared file)
+configs/own32.cfg or own64.cfg by their size; CIFAR-10's paper recipe for CIFAR-10. Flags given on the command line
+override it. ``--num_gpus N`` trains on N GPUs with the same recipe.
 Bad flags or data: one line on stderr, exit code 2, nothing written.
 """
+import os
 import sys
 
 from absl import app, flags
 
-from megdiffusion.cli import megengine_failures, one_line_errors, parse_flags, reject_arguments
+from megdiffusion.cli import UsageError, megengine_failures, one_line_errors, parse_flags, reject_arguments
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.training import config
 from megdiffusion.training.config import define_flags
@@ -31,11 +34,57 @@ def main(argv):
             train(cfg, images)
 
 
+# The recipes ``train`` reads for one's own images without a --flagfile, by image size.
+OWN_DATA_RECIPES = {32: "own32.cfg", 64: "own64.cfg"}
+# Flags that describe the network: given without a --flagfile for images of another size, they are the recipe.
+NETWORK_FLAGS = ("model_channels", "channel_mult", "attention_resolutions", "num_res_blocks")
+
+
+def _given(argv, name):
+    """The value of flag ``--name`` on the command line (``--name=V``, ``--name V``, one dash too), or None."""
+    value = None
+    for i, arg in enumerate(argv):
+        for prefix in (f"--{name}", f"-{name}"):
+            if arg == prefix and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif arg.startswith(prefix + "="):
+                value = arg[len(prefix) + 1:]
+    return value
+
+
+def default_flagfile(argv):
+    """The recipe to read first when no --flagfile is given: the CPU recipe for the embedded data, CIFAR-10's paper
+    recipe for CIFAR-10, else the own-data recipe of the images' size (``--image_size``, or a prepared file's);
+    None when the command line describes the network itself (``NETWORK_FLAGS``: the defaults and those flags);
+    ``UsageError`` naming the flagfiles when no recipe fits."""
+    from megdiffusion.data.prepared import is_prepared, read_record
+
+    dataset, data_path = _given(argv, "dataset"), _given(argv, "data_path")
+    if dataset in (None, "fashion_mnist") and (data_path is None or not is_prepared(data_path)):
+        return config.CPU_RECIPE
+    if dataset == "cifar10":
+        return os.path.join(config.CONFIGS, "cifar10.cfg")
+    size = _given(argv, "image_size")
+    if size is None and data_path is not None and is_prepared(data_path):
+        size = read_record(data_path)["size"]
+    recipe = OWN_DATA_RECIPES.get(int(size)) if str(size).isdigit() else None
+    if recipe is not None:
+        return os.path.join(config.CONFIGS, recipe)
+    if any(_given(argv, name) is not None for name in NETWORK_FLAGS):
+        return None
+    raise UsageError(f"no recipe for {f'{size}x{size}' if size else 'images of unknown size'} without a "
+                     "--flagfile: train at 32 or 64 (--image_size, or prepare at that size), or give one "
+                     f"(configs/{OWN_DATA_RECIPES[32]}, configs/{OWN_DATA_RECIPES[64]}, configs/celebahq256.cfg for "
+                     "256) and set --attention_resolutions to sizes the network has")
+
+
 def with_default_flagfile(argv):
-    """``argv`` with the CPU recipe's flagfile inserted first when no --flagfile is given."""
+    """``argv`` with ``default_flagfile``'s recipe inserted first when no --flagfile is given."""
     if any(arg.startswith(("--flagfile", "-flagfile")) for arg in argv[1:]):
         return argv
-    return [argv[0], f"--flagfile={config.CPU_RECIPE}"] + argv[1:]
+    with one_line_errors():
+        recipe = default_flagfile(argv[1:])
+    return argv if recipe is None else [argv[0], f"--flagfile={recipe}"] + argv[1:]
 
 
 def run():

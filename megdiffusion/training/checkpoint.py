@@ -7,7 +7,8 @@ back into a run by ``restore``:
 - ``model``, ``ema``: the network's and its moving average's state dicts; ``optimizer``: Adam's;
 - ``loader``: the data position (``BatchLoader.state_dict()``);
 - ``rng``: ``{"seed", "scheme"}``, the scheme step randomness is drawn with (``draws``; a resumed run keeps it);
-- ``loss_scale``: the ``LossScaler``'s state of an ``--amp`` run, else None (absent before mixed precision).
+- ``loss_scale``: the ``LossScaler``'s state of an ``--amp`` run, else None (absent before mixed precision);
+- ``data``: ``{"count", "checksum"}`` of the images it trained on (``datasets.dataset_identity``; absent before).
 
 A network trained elsewhere (``weights_snapshot``, written by ``scripts.convert``) has the same layout with the
 weights as both ``model`` and ``ema``, step 0, ``optimizer`` and ``loader`` None, and ``source`` (a dict of
@@ -182,10 +183,11 @@ def differences(stored, cfg, names):
             if getattr(stored, name) != getattr(cfg, name)}
 
 
-def snapshot(trainer, loader):
-    """The checkpoint dict of a run: ``trainer`` (a ``Trainer``) and its ``BatchLoader``."""
+def snapshot(trainer, loader, data=None):
+    """The checkpoint dict of a run: ``trainer`` (a ``Trainer``), its ``BatchLoader`` (or ``StepFeed``) and what it
+    trains on (``data``: ``datasets.dataset_identity``)."""
     return {"step": trainer.step_count, "config": trainer.cfg.to_dict(), "model": trainer.model.state_dict(),
-            "ema": trainer.ema.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+            "data": data, "ema": trainer.ema.state_dict(), "optimizer": trainer.optimizer.state_dict(),
             "loader": loader.state_dict(), "rng": {"seed": trainer.cfg.seed, "scheme": trainer.draw_scheme},
             "loss_scale": None if trainer.scaler is None else trainer.scaler.state_dict()}
 
@@ -230,6 +232,18 @@ def check_recipe(state, path, cfg):
         raise CheckpointError(f"{path} was trained with different {', '.join(changed)} "
                               f"({' '.join(changed.values())}); use those flags, the run's flags.cfg or another "
                               "--logdir")
+
+
+def check_data(state, path, data):
+    """``CheckpointError`` unless the run of checkpoint dict ``state`` trained on data like ``data`` (the same image
+    count, and checksum where both know one): other data would continue with other batches."""
+    saved = state.get("data") or {}
+    counts = saved.get("count"), data["count"]
+    checksums = saved.get("checksum"), data["checksum"]
+    if (None not in counts and counts[0] != counts[1]) or (None not in checksums and checksums[0] != checksums[1]):
+        raise CheckpointError(f"{path} was trained on {counts[0]:,} images (checksum {checksums[0] or 'unknown'}); "
+                              f"this dataset has {counts[1]:,} (checksum {checksums[1] or 'unknown'}): resume on the "
+                              "run's data, or start a new --logdir")
 
 
 def draw_scheme_of(state):

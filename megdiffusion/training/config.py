@@ -24,9 +24,10 @@ from megdiffusion.errors import MegdiffusionError
 from megdiffusion.nn.options import DOWNSAMPLE_PADDING, DOWNSAMPLE_PADDINGS, NORM_EPS, NORM_GROUPS, TIME_EMBEDDING, \
     TIME_EMBEDDINGS
 
-# The CPU recipe (the embedded Fashion-MNIST): what the train script and the demo read without a flagfile.
-CPU_RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
-                          "fashion_mnist_cpu.cfg")
+# The recipes' flagfiles, and the CPU recipe (the embedded Fashion-MNIST): what the train script and the demo read
+# without a flagfile.
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+CPU_RECIPE = os.path.join(CONFIGS, "fashion_mnist_cpu.cfg")
 
 # Bound keywords of ``_flag``: (name, how it reads, the test a value must pass).
 _BOUNDS = (("min", ">=", operator.ge), ("above", ">", operator.gt), ("max", "<=", operator.le),

@@ -13,7 +13,7 @@ import numpy as np
 
 from megdiffusion.cpu import native
 from megdiffusion.compat import EngineFailure, assign_, is_megengine_error, megengine_error_cause, quiet_megengine
-from megdiffusion.data.datasets import load_dataset, load_labels
+from megdiffusion.data.datasets import dataset_identity, describe_dataset, load_dataset, load_labels
 from megdiffusion.data.loader import BatchLoader
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import output_directory
@@ -202,16 +202,18 @@ class Trainer:
         return {"loss": loss, "grad_norm": grad_norm, **metrics}
 
 
-def check_logdir(cfg):
+def check_logdir(cfg, images=None):
     """The checkpoint a run resumes from, ``(state, path)`` or None, checked before anything is written:
-    ``CheckpointError`` for a fresh run on top of another run's checkpoints, a checkpoint of another recipe, or
-    ``--init_from`` weights that do not fit the network."""
+    ``CheckpointError`` for a fresh run on top of another run's checkpoints, a checkpoint of another recipe or of
+    other data than ``images``, or ``--init_from`` weights that do not fit the network."""
     if not cfg.resume and ckpt.list_checkpoints(cfg.logdir):
         raise ckpt.CheckpointError(f"{cfg.logdir} already holds checkpoints; pass --resume to continue that "
                                    "run or choose another --logdir")
     latest = ckpt.load_latest(cfg.logdir) if cfg.resume else None
     if latest is not None:
         ckpt.check_recipe(*latest, cfg)
+        if images is not None:
+            ckpt.check_data(*latest, dataset_identity(cfg.dataset, cfg.data_path, len(images)))
         started_from = latest[0]["config"].get("init_from")
         if cfg.init_from and not same_path(cfg.init_from, started_from):
             raise ConfigError(f"--resume continues the run in {cfg.logdir}, which started from "
@@ -276,10 +278,20 @@ class TrainingRun:
         """Checkpoint the current state (rank 0) and drop the oldest beyond ``keep_checkpoints``."""
         step = self.trainer.step_count
         if self.writes and self.saved_step != step:
-            state = ckpt.snapshot(self.trainer, self.feed or self.loader)
+            state = ckpt.snapshot(self.trainer, self.feed or self.loader,
+                                  dataset_identity(self.cfg.dataset, self.cfg.data_path, len(self.loader.images)))
             ckpt.save_checkpoint(ckpt.checkpoint_path(self.cfg.logdir, step), state)
             ckpt.prune_checkpoints(self.cfg.logdir, self.cfg.keep_checkpoints)
         self.saved_step = step
+
+    def start_line(self):
+        """What the run trains on and how, in one line."""
+        cfg = self.cfg
+        parameters = sum(int(np.prod(p.shape)) for p in self.trainer.params)
+        per_rank = f" ({self.loader.local_batch} per process)" if self.trainer.world_size > 1 else ""
+        return (f"data: {describe_dataset(cfg.dataset, cfg.data_path, self.loader.images, cfg.num_classes)}; "
+                f"model: {parameters:,} parameters; batch {cfg.batch_size}{per_rank}; steps "
+                f"{self.trainer.step_count:,} of {cfg.total_steps:,}; logdir {cfg.logdir}")
 
     def _on_signal(self, signum, frame):
         self.stop_signal = signum
@@ -295,6 +307,7 @@ class TrainingRun:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         if self.writes:
             self.logger = RunLogger(cfg.logdir, cfg.total_steps, self.trainer.step_count, self.progress)
+            self.logger.message(self.start_line())
             if resumed_from:
                 self.logger.message(f"resumed from {resumed_from} at step {self.trainer.step_count}")
             elif init_step is not None:
@@ -407,7 +420,7 @@ def train(cfg, images, progress=True, use_launcher=None):
     distributed.check_launch(cfg.num_gpus, cfg.device, cfg.world_size, cfg.rank_start, cfg.port)
     check_step_options(cfg)
     with output_directory(cfg.logdir, "--logdir", RUN_MARKER):
-        latest = check_logdir(cfg)
+        latest = check_logdir(cfg, images)
         write_run_files(cfg)
         launched = distributed.is_multiprocess(cfg.num_gpus, cfg.world_size) if use_launcher is None else use_launcher
         args = (cfg, None, None, progress) if launched else (cfg, images, latest, progress)
