@@ -28,8 +28,8 @@ MAX_IMAGES = 2 ** 32
 # bounds, ``config.field_bounds``), checked for every script when its flags are parsed (``parse_into``).
 SCRIPT_BOUNDS = {"num_images": {"min": 1, "max": MAX_IMAGES}, "num_reference": {"min": 2, "max": MAX_IMAGES},
                  "images": {"min": 1}, "minutes": {"above": 0}, "kid_subsets": {"min": 1},
-                 "kid_subset_size": {"min": 2}, "kid_seed": {"min": 0, "max": 2 ** 32 - 1},
-                 "workers": {"min": 0, "max": 256}}  # numpy's RandomState
+                 "kid_subset_size": {"min": 2}, "workers": {"min": 0, "max": 256},
+                 "kid_seed": {"min": 0, "max": 2 ** 32 - 1}}  # numpy's RandomState
 
 
 def error_line(message):

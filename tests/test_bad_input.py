@@ -143,6 +143,17 @@ CASES = [
     ("prepare-one-argument", "prepare", ["images"], "expected two arguments, SRC DEST; got 1"),
     ("prepare-npz-without-images", "prepare", ["mu_only.npz", "out.data"], "has no 'arr_0' array"),
     ("prepare-damaged-npz", "prepare", ["broken.npz", "out.data"], "cannot read broken.npz as an npz archive"),
+    # scoring against one's own data (issue 47)
+    ("47:fid-floor-of-two-sources", "fid", ["--floor", "images", "images"],
+     "--floor scores one image source against itself: give one PATH and no --save_stats; got 2 PATHs"),
+    ("fid-floor-with-save-stats", "fid", ["--floor", "--save_stats", "images", "s.npz"],
+     "got 2 PATHs and --save_stats"),
+    ("47:fid-floor-larger-than-the-set", "fid", ["--floor", "--num_images=2", "images"],
+     "--floor draws two disjoint sets of --num_images=2; images has 3 images"),
+    ("fid-image-size-zero", "fid", ["--image_size=0", "images", "images"], "--image_size must be >= 1, got 0"),
+    ("47:fid-prepared-at-another-size", "fid", ["--save_stats", "--image_size=16", "p8.data", "s.npz"],
+     "p8.data holds 8x8 images, not --image_size 16"),
+    ("fid-prepared-truncated", "fid", ["--save_stats", "truncated.data", "s.npz"], "is truncated or damaged"),
     # training on prepared data (issue 47)
     ("47:prepared-truncated", "train", [*TRAIN, "--data_path=truncated.data"],
      "truncated.data is truncated or damaged"),

@@ -201,12 +201,12 @@ def test_real_images_give_same_statistics_from_every_source(tmp_path, monkeypatc
     for i, image in enumerate(images):
         save_png(str(tmp_path / "pngs" / f"{i // 3}" / f"{i:02d}.png"), image[..., 0])
         Image.fromarray(image[..., 0]).save(tmp_path / "webps" / f"{i:02d}.webp", lossless=True)
-    stats = fid.statistics_for_source("fashion_mnist", batch_size=4, num_images=6, keep_features=True)
+    stats = fid.statistics_for_source(str(tmp_path / "images.npz"), batch_size=4, keep_features=True)
     mu, sigma = stats.mu, stats.sigma
     assert mu.shape == (2048,) and sigma.shape == (2048, 2048) and np.all(mu >= 0) and mu.max() > 0.1
     assert stats.features.shape == (6, 2048) and stats.features.dtype == np.float32
     np.testing.assert_allclose(mu, stats.features.astype(np.float64).mean(axis=0), rtol=1e-12)
-    for source in (str(tmp_path / "images.npz"), str(tmp_path / "pngs"), str(tmp_path / "webps")):
+    for source in (str(tmp_path / "pngs"), str(tmp_path / "webps")):
         other = fid.statistics_for_source(source, batch_size=4)
         np.testing.assert_allclose(other.mu, mu, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(other.sigma, sigma, rtol=1e-4, atol=1e-6)
@@ -244,8 +244,8 @@ def test_cli_save_stats_and_bad_input(tmp_path):
     bad = _run_cli(str(tmp_path / "nothing_here"), "fashion_mnist", env_extra=env)
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip().splitlines() == [
-        f"error: '{tmp_path / 'nothing_here'}' is not a directory of images, an .npz file, 'fashion_mnist' "
-        "or 'cifar10:DIR'"]
+        f"error: '{tmp_path / 'nothing_here'}' is not a directory of images, a prepared dataset, an .npz file, "
+        "'fashion_mnist' or 'cifar10:DIR'"]
     missing_weights = _run_cli("--inception_weights", str(tmp_path / "none.pt"), "fashion_mnist",
                                "fashion_mnist", "--num_images", "4", env_extra=env)
     assert missing_weights.returncode == 2
@@ -262,7 +262,8 @@ def test_cli_save_stats_and_bad_input(tmp_path):
     assert replaced.returncode == 0, replaced.stderr
     assert (tmp_path / "out.npz").read_bytes() != kept
     np.testing.assert_allclose(fid.load_statistics(str(tmp_path / "out.npz")).mu,
-                               fid.statistics_of_images(images[:2]).mu, rtol=1e-5, atol=1e-6)
+                               fid.statistics_of_images(images[np.sort(np.random.default_rng(0).permutation(3)[:2])]).mu,
+                               rtol=1e-5, atol=1e-6)  # --num_images: a random draw by --seed (0)
 
     # An image that cannot be read, met during the Inception pass: the bar is erased, then the one error line.
     (tmp_path / "folder").mkdir()
@@ -291,3 +292,53 @@ def test_cli_scores_kid_and_precision_recall_of_statistics_files_with_features(t
     sized = _run_cli("--metrics=kid", "--kid_subsets=7", "--kid_subset_size=10", "--kid_seed=3",
                      str(tmp_path / "generated.npz"), str(tmp_path / "real.npz"))
     assert sized.stdout.splitlines() == scores.score_lines(scores.compare(generated, real, ("kid",), 7, 10, 3))
+
+
+# --- one's own data (issue 47) ----------------------------------------------------------------------
+
+
+def test_num_images_of_a_dataset_is_a_seeded_random_subset():
+    from megdiffusion.data.datasets import load_dataset
+
+    everything = load_dataset("fashion_mnist")
+    chosen = np.sort(np.random.default_rng(3).permutation(len(everything))[:5])
+    subset = fid.open_source("fashion_mnist", num_images=5, seed=3)
+    np.testing.assert_array_equal(subset[np.arange(5)], everything[chosen])
+    assert not np.array_equal(subset[np.arange(5)], everything[:5])  # not the first files (one class, sorted sets)
+    np.testing.assert_array_equal(fid.open_source("fashion_mnist", num_images=5, seed=3)[np.arange(5)],
+                                  subset[np.arange(5)])
+    halves = [fid.random_subset(everything, 100, 0, skip).indices for skip in (0, 100)]
+    assert len(np.intersect1d(*halves)) == 0 and all(len(h) == 100 for h in halves)
+
+
+def test_a_prepared_file_and_a_folder_at_image_size_are_the_training_pixels(tmp_path):
+    from megdiffusion.data.datasets import ImageFolder
+    from megdiffusion.data.prepared import prepare
+    from megdiffusion.data.sources import FolderSource
+
+    rng = np.random.default_rng(0)
+    (tmp_path / "folder").mkdir()
+    for i in range(4):
+        Image.fromarray(rng.integers(0, 256, (12 + i, 20, 3), dtype=np.uint8)).save(tmp_path / "folder" / f"{i}.png")
+    prepare(FolderSource(tmp_path / "folder"), tmp_path / "set.data", 8, workers=0)
+    prepared = fid.images_for_source(str(tmp_path / "set.data"))
+    streamed = fid.images_for_source(str(tmp_path / "folder"), image_size=8)
+    np.testing.assert_array_equal(prepared, streamed[np.arange(4)])
+    np.testing.assert_array_equal(prepared, ImageFolder(tmp_path / "folder", 8)[np.arange(4)])
+    with pytest.raises(fid.FIDError, match="holds 8x8 images, not --image_size 16"):
+        fid.images_for_source(str(tmp_path / "set.data"), image_size=16)
+
+
+def test_cli_floor_scores_two_disjoint_halves(tmp_path):
+    images = np.random.default_rng(4).integers(0, 256, (10, 16, 16, 3), dtype=np.uint8)
+    np.savez(tmp_path / "images.npz", arr_0=images)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    result = _run_cli("--floor", "--seed=2", str(tmp_path / "images.npz"), env_extra=env)
+    assert result.returncode == 0, result.stderr
+    halves = [images[np.sort(np.random.default_rng(2).permutation(10)[skip:skip + 5])] for skip in (0, 5)]
+    a, b = (fid.statistics_of_images(half) for half in halves)
+    expected = fid.frechet_distance(a.mu, a.sigma, b.mu, b.sigma)
+    assert result.stdout.strip() == (f"FID: {expected:.4f} (real-data floor: two disjoint random halves of 5 images "
+                                     f"of {tmp_path / 'images.npz'}, seed 2)")
+    result = _run_cli("--floor", "--num_images=6", str(tmp_path / "images.npz"), env_extra=env)
+    assert result.returncode == 2 and "two disjoint sets of --num_images=6" in result.stderr

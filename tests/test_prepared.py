@@ -251,20 +251,31 @@ def test_resuming_on_other_data_is_refused(tmp_path, tiny_config):
 
 @pytest.mark.parametrize("argv, recipe", [
     ([], "fashion_mnist_cpu.cfg"), (["--dataset=fashion_mnist", "--data_path", "x"], "fashion_mnist_cpu.cfg"),
-    (["--dataset=cifar10"], "cifar10.cfg"), (["--dataset", "folder", "--image_size", "32"], "own32.cfg"),
-    (["-dataset=npz", "-image_size=64"], "own64.cfg"), (["--data_path={prepared}"], "own32.cfg"),
-    (["--dataset=folder", "--image_size=48"], "no recipe for 48x48 without a --flagfile"),
-    (["--dataset=folder"], "no recipe for images of unknown size"),
-    (["--dataset=npz", "--model_channels=32", "--attention_resolutions="], None)])
+    (["--dataset=cifar10"], "cifar10.cfg"), (["--dataset", "folder", "--data_path", "{folder}", "--image_size", "32"],
+                                             "own32.cfg"),
+    (["-dataset=npz", "-data_path={npz}", "-image_size=64"], "own64.cfg"), (["--data_path={prepared}"], "own32.cfg"),
+    (["--dataset=folder", "--data_path={folder}", "--image_size=48"], "no recipe for 48x48 without a --flagfile"),
+    (["--dataset=folder", "--data_path={folder}"], "no recipe for images of unknown size"),
+    # the command line describes the network: the CPU recipe's training settings under it
+    (["--dataset=npz", "--data_path={npz}", "--model_channels=32", "--attention_resolutions="],
+     "fashion_mnist_cpu.cfg"),
+    # data that is not there, or holds no image, or an unknown dataset: the flags and data give their own error
+    (["--dataset=folder", "--data_path={empty}", "--image_size=48"], "fashion_mnist_cpu.cfg"),
+    (["--dataset=npz", "--data_path=nope.npz"], "fashion_mnist_cpu.cfg"),
+    (["--dataset=imagenet", "--data_path={folder}"], "fashion_mnist_cpu.cfg")])
 def test_train_without_a_flagfile_reads_the_recipe_that_fits(tmp_path, argv, recipe):
     from megdiffusion.cli import UsageError
     from megdiffusion.scripts.train import default_flagfile
 
     prepare(ArraySource(np.zeros((2, 32, 32, 3), np.uint8), None, "zeros"), tmp_path / "p.data", 32, workers=0)
-    argv = [arg.replace("{prepared}", str(tmp_path / "p.data")) for arg in argv]
-    if recipe is None:  # the command line describes the network: no recipe under it
-        assert default_flagfile(argv) is None
-    elif recipe.endswith(".cfg"):
+    make_folder(tmp_path / "folder", counts=(1,))
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    np.savez(tmp_path / "x.npz", arr_0=np.zeros((2, 64, 64, 3), np.uint8))
+    paths = {"{prepared}": tmp_path / "p.data", "{folder}": tmp_path / "folder", "{empty}": tmp_path / "empty",
+             "{npz}": tmp_path / "x.npz"}
+    for name, path in paths.items():
+        argv = [arg.replace(name, str(path)) for arg in argv]
+    if recipe.endswith(".cfg"):
         chosen = default_flagfile(argv)
         assert os.path.basename(chosen) == recipe and os.path.isfile(chosen)
     else:

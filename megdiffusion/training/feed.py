@@ -4,14 +4,16 @@
 The main process plans the steps in order (``BatchLoader.next_indices``: the order, flips and rank shares are the
 loader's), so the batches are the loader's whatever the number of workers; a worker turns a plan into arrays. The
 draws are functions of (seed, step, sample) alone, so a worker computes exactly what the trainer would. Workers write
-into a ring of slots in one shared file (in /dev/shm, unlinked as soon as every worker has mapped it, so nothing is
-left behind even after a SIGKILL): handing over a step costs the main process no copy.
+into a ring of slots in one shared file (in /dev/shm, unlinked as soon as every worker has mapped it; one left by a
+process killed in that window is removed by the next run's start): handing over a step costs the main process no
+copy.
 
 Images held in memory (a plain array) are gathered by the main process (cheap at the sizes one holds in memory);
 images read from disk (a prepared file's memory map, a streamed folder) are read by the workers, so decoding is off
 the step's critical path. The checkpointed position (``state_dict``) is that of the last step handed out, not of the
 steps planned ahead: exact resume is unchanged.
 """
+import contextlib
 import multiprocessing
 import os
 import queue
@@ -23,10 +25,24 @@ import numpy as np
 
 from megdiffusion.data.sources import DatasetError
 from megdiffusion.errors import MegdiffusionError, one_line
+from megdiffusion.processes import die_with_parent
 from megdiffusion.data.loader import batch_images
 from megdiffusion.training.draws import StepDraws
 
 _POLL = 1.0  # seconds between checks that the other side is alive
+
+
+_PREFIX = "megdiffusion-feed-"  # the slot files: megdiffusion-feed-<pid of the training process>-<random>
+
+
+def _remove_orphans(directory):
+    """Remove slot files left by a training process killed while its workers started (the only window in which a
+    slot file has a name)."""
+    for name in os.listdir(directory):
+        pid = name[len(_PREFIX):].partition("-")[0]
+        if name.startswith(_PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(directory, name))
 
 
 class FeedError(MegdiffusionError):
@@ -74,6 +90,7 @@ class _Slots:
 
 def _worker(source, draw, path, depth, shape, perturbation, tasks, results, parent):
     """A worker's loop: plans in, arrays into their slot, a short message out."""
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle (a checkpoint first)
     images = source.open() if isinstance(source, MappedImages) else source
     slots = _Slots(path, depth, shape, perturbation, create=False)
@@ -170,7 +187,8 @@ class StepFeed:
     def _start(self):
         context = multiprocessing.get_context("spawn")  # the trainer holds threads, maybe a CUDA context
         directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        fd, path = tempfile.mkstemp(dir=directory, prefix="megdiffusion-feed-")
+        _remove_orphans(directory)
+        fd, path = tempfile.mkstemp(dir=directory, prefix=f"{_PREFIX}{os.getpid()}-")
         os.close(fd)
         try:
             self._slots = _Slots(path, self.depth, self.shape, self.perturbation, create=True)

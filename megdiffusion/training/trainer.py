@@ -141,13 +141,13 @@ class Trainer:
         return draw_step(self.draw_scheme, self.cfg, self.diffusion.num_timesteps,
                          self.step_count if step is None else step, shape, labels, self.rank, self.first_index)
 
-    @np.errstate(over="ignore", invalid="ignore", divide="ignore")  # a non-finite loss is one error, not warnings
     def draw_function(self):
         """``draw(step, shape, labels)``: this rank's ``StepDraws`` at any step, as a picklable function (the data
         workers of ``feed.StepFeed`` draw with it)."""
         return functools.partial(draw_step, self.draw_scheme, self.cfg, self.diffusion.num_timesteps,
                                  rank=self.rank, first_index=self.first_index)
 
+    @np.errstate(over="ignore", invalid="ignore", divide="ignore")  # a non-finite loss is one error, not warnings
     def step(self, x0, labels=None, draws=None):
         """One update on this rank's batch ``x0`` (float32 NCHW in [-1, 1]), with its class ``labels`` (int, (N,))
         for a class-conditional network (with ``class_dropout``, each is replaced by ``NO_CLASS`` with that
