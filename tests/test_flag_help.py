@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-SCRIPTS = ("train", "sample", "fid", "nll", "convert", "demo")
+SCRIPTS = ("train", "sample", "fid", "nll", "convert", "demo", "prepare")
 # What each script defines, read in a fresh process per script (the scripts share absl's global FLAGS).
 LIST_FLAGS = """
 import importlib, json, sys

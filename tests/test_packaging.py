@@ -22,9 +22,9 @@ def wheel(tmp_path_factory):
 
 
 def test_wheel_contains_scripts_configs_and_data(wheel):
-    for module in ("train", "sample", "fid", "convert", "nll"):
+    for module in ("train", "sample", "fid", "convert", "nll", "prepare"):
         assert f"megdiffusion/scripts/{module}.py" in wheel
-    for config in ("cifar10", "celebahq256", "lsun_church256", "fashion_mnist_cpu", "iddpm_cifar10"):
+    for config in ("cifar10", "celebahq256", "lsun_church256", "fashion_mnist_cpu", "iddpm_cifar10", "own32", "own64"):
         assert f"megdiffusion/configs/{config}.cfg" in wheel
     embedded = ROOT / "megdiffusion/data/assets/t10k-images-idx3-ubyte.gz"
     assert wheel["megdiffusion/data/assets/t10k-images-idx3-ubyte.gz"] == embedded.read_bytes()
@@ -36,7 +36,7 @@ def test_wheel_declares_entry_points_and_dependencies(wheel):
     dist_info = next(name.split("/")[0] for name in wheel if name.endswith(".dist-info/METADATA"))
     entry_points = wheel[f"{dist_info}/entry_points.txt"].decode()
     metadata = wheel[f"{dist_info}/METADATA"].decode()
-    for name in ("train", "sample", "fid", "convert", "nll"):
+    for name in ("train", "sample", "fid", "convert", "nll", "prepare"):
         assert f"megdiffusion-{name} = megdiffusion.scripts.{name}:run" in entry_points
     for requirement in ("megengine>=1.9", "numpy<2", "absl-py", "tqdm", "pillow", "numba==0.61.2"):
         assert f"Requires-Dist: {requirement}" in metadata
@@ -48,7 +48,8 @@ def test_wheel_declares_entry_points_and_dependencies(wheel):
 
 @pytest.mark.parametrize("script, flag", [("train", "--batch_size"), ("sample", "--sampler"),
                                           ("fid", "--save_stats"), ("demo", "--minutes"), ("convert", "--ema"),
-                                          ("nll", "--respacing"), ("convert", "<auto|diffusers|pesser|pytorch_ddpm|"
+                                          ("nll", "--respacing"), ("prepare", "--labels"),
+                                          ("convert", "<auto|diffusers|pesser|pytorch_ddpm|"
                                                                    "megengine_port|improved_diffusion>")])
 def test_scripts_print_their_flags(script, flag):
     result = subprocess.run([sys.executable, "-m", f"megdiffusion.scripts.{script}", "--help"],

@@ -264,8 +264,8 @@ def test_resuming_on_other_data_is_refused(tmp_path, tiny_config):
     (["--dataset=npz", "--data_path=nope.npz"], "fashion_mnist_cpu.cfg"),
     (["--dataset=imagenet", "--data_path={folder}"], "fashion_mnist_cpu.cfg")])
 def test_train_without_a_flagfile_reads_the_recipe_that_fits(tmp_path, argv, recipe):
-    from megdiffusion.cli import UsageError
-    from megdiffusion.scripts.train import default_flagfile
+    from megdiffusion.training.config import ConfigError
+    from megdiffusion.training.recipes import default_flagfile
 
     prepare(ArraySource(np.zeros((2, 32, 32, 3), np.uint8), None, "zeros"), tmp_path / "p.data", 32, workers=0)
     make_folder(tmp_path / "folder", counts=(1,))
@@ -279,7 +279,7 @@ def test_train_without_a_flagfile_reads_the_recipe_that_fits(tmp_path, argv, rec
         chosen = default_flagfile(argv)
         assert os.path.basename(chosen) == recipe and os.path.isfile(chosen)
     else:
-        with pytest.raises(UsageError, match=recipe):
+        with pytest.raises(ConfigError, match=recipe):
             default_flagfile(argv)
 
 
