@@ -99,6 +99,7 @@ def shared(tmp_path_factory, tiny_config, tiny_images):
     # issue 47
     prepare(ArraySource(tiny_images(12), None, "tiny"), root / "p8.data", 8, workers=0)
     (root / "truncated.data").write_bytes((root / "p8.data").read_bytes()[:-100])
+    prepare(ArraySource(np.repeat(tiny_images(16), 3, axis=3), None, "tiny rgb"), root / "rgb8.data", 8, workers=0)
 
     # issue 36 (compressed: an identity sigma of 2048 x 2048 is 32 MB)
     np.savez_compressed(root / "stats_plain.npz", mu=np.zeros(2048), sigma=np.eye(2048))
@@ -166,6 +167,9 @@ CASES = [
     ("47:resume-on-other-data", "train", ["--flagfile=run/flags.cfg", "--logdir=run", "--resume",
                                           "--data_path=p8.data"],
      "was trained on 16 images (checksum unknown); this dataset has 12"),
+    ("47:resume-on-data-of-other-channels", "train", ["--flagfile=run/flags.cfg", "--logdir=run", "--resume",
+                                                      "--data_path=rgb8.data"],
+     "was trained on images of 1 channel(s); this dataset's have 3: resume on the run's data"),
     ("data-workers-negative", "train", [*TRAIN, "--data_workers=-1"], "--data_workers must be >= 0 and <= 64, got -1"),
     ("47:folder-of-a-size-without-recipe", "train", ["--dataset=folder", "--data_path=images", "--image_size=48"],
      "no recipe for 48x48 without a --flagfile"),

@@ -227,7 +227,11 @@ def check_recipe(state, path, cfg):
     if state["optimizer"] is None:
         raise CheckpointError(f"{path} holds weights only (no optimizer or data position); start a run from it "
                               "with --init_from")
-    changed = differences(config_of(state, path), cfg, RECIPE_FIELDS)
+    stored = config_of(state, path)
+    if stored.image_channels != cfg.image_channels:  # read from the data: no flag sets it
+        raise CheckpointError(f"{path} was trained on images of {stored.image_channels} channel(s); this dataset's "
+                              f"have {cfg.image_channels}: resume on the run's data, or start a new --logdir")
+    changed = differences(stored, cfg, RECIPE_FIELDS)
     if changed:
         raise CheckpointError(f"{path} was trained with different {', '.join(changed)} "
                               f"({' '.join(changed.values())}); use those flags, the run's flags.cfg or another "

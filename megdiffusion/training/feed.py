@@ -35,6 +35,18 @@ _POLL = 1.0  # seconds between checks that the other side is alive
 _PREFIX = "megdiffusion-feed-"  # the slot files: megdiffusion-feed-<pid of the training process>-<random>
 
 
+def _slot_directory(size):
+    """/dev/shm when it has room for ``size`` bytes and more (a container's is often 64 MB, and a mapped page past its
+    end kills the process), else the temporary directory (a file there is as fast while it stays in page cache)."""
+    try:
+        free = os.statvfs("/dev/shm")
+        if free.f_bavail * free.f_frsize > 2 * size:
+            return "/dev/shm"
+    except OSError:
+        pass
+    return tempfile.gettempdir()
+
+
 def _remove_orphans(directory):
     """Remove slot files left by a training process killed while its workers started (the only window in which a
     slot file has a name)."""
@@ -186,7 +198,7 @@ class StepFeed:
 
     def _start(self):
         context = multiprocessing.get_context("spawn")  # the trainer holds threads, maybe a CUDA context
-        directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        directory = _slot_directory(self.depth * (3 if self.perturbation else 2) * 4 * int(np.prod(self.shape)))
         _remove_orphans(directory)
         fd, path = tempfile.mkstemp(dir=directory, prefix=f"{_PREFIX}{os.getpid()}-")
         os.close(fd)
