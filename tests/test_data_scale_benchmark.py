@@ -37,3 +37,13 @@ def test_the_old_code_is_not_run_where_its_array_would_not_fit(capsys):
     line = benchmark.cannot_fit(126227, ram)
     assert line["skipped"].startswith("cannot fit: 126,227 images x 196,608 bytes = 24.8 GB >")
     assert '"skipped"' in capsys.readouterr().out  # printed as a JSON line
+
+
+def test_step_feed_benchmark_runs_at_its_smallest_size():
+    """benchmarks/step_feed.py end to end on a small set: the rows it prints, with workers and without."""
+    script = SCRIPT.parent / "step_feed.py"
+    run = subprocess.run([sys.executable, str(script), "--recipes", "cifar", "--workers", "0,1", "--steps", "2",
+                          "--warmup", "1", "--images", "256", "--step_ms", "1"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "| cifar (32x32) | 128 | 0 |" in run.stdout and "| cifar (32x32) | 128 | 1 |" in run.stdout

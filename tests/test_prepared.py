@@ -292,3 +292,35 @@ def test_the_own_data_recipes_validate_at_their_size(tmp_path, recipe, size):
             workers=0)
     cfg, _ = config_from_flagfile(os.path.join(CONFIGS, recipe), data_path=str(tmp_path / "p.data"))
     assert cfg.image_size == size and cfg.dataset == "prepared" and cfg.logdir == f"runs/own{size}"
+
+
+def test_the_feeds_of_two_ranks_make_the_global_batch_of_one(tmp_path, tiny_config):
+    """Each rank's data worker reads only its rows of the prepared file and draws only its samples: two ranks' steps
+    side by side are one rank's, images, flips, labels, timesteps, noise and input perturbation alike."""
+    import functools
+
+    from megdiffusion.data.loader import BatchLoader
+    from megdiffusion.training.draws import PER_SAMPLE, draw_step, first_sample
+    from megdiffusion.training.feed import StepFeed
+
+    images = np.random.default_rng(0).integers(0, 256, (24, 8, 8, 3), dtype=np.uint8)
+    prepare(ArraySource(images, np.arange(24) % 3, "x"), tmp_path / "x.data", 8, workers=0)
+    dataset = PreparedDataset(tmp_path / "x.data")
+    cfg = tiny_config(num_classes=3, class_dropout=0.3, input_perturbation=0.1)
+    steps = {}
+    for world in (1, 2):
+        for rank in range(world):
+            loader = BatchLoader(load_dataset("prepared", str(tmp_path / "x.data")), 8, 5, world, rank, True,
+                                 dataset.labels)
+            draw = functools.partial(draw_step, PER_SAMPLE, cfg, 40, rank=rank, first_index=first_sample(8, world,
+                                                                                                        rank))
+            feed = StepFeed(loader, draw, workers=1, perturbation=True)
+            made = []
+            for step in range(5):  # 24 images, batch 8: into the second epoch
+                x0, labels, d = feed.next(step)
+                made.append([np.array(a) for a in (x0, labels, d.t, d.noise, d.perturbation, d.labels)])
+            feed.close()
+            steps[world, rank] = made
+    for step in range(5):
+        for part, one in enumerate(steps[1, 0][step]):
+            np.testing.assert_array_equal(np.concatenate([steps[2, 0][step][part], steps[2, 1][step][part]]), one)
