@@ -2,6 +2,7 @@
 files too), exit code 1 for a failure of MegEngine itself, and 130 for Ctrl-C."""
 import contextlib
 import math
+import os
 import sys
 
 from absl import flags
@@ -27,8 +28,10 @@ MAX_IMAGES = 2 ** 32
 # Bounds of the scripts' flags that are not ``TrainConfig`` fields (a flag named like a field takes the field's
 # bounds, ``config.field_bounds``), checked for every script when its flags are parsed (``parse_into``).
 SCRIPT_BOUNDS = {"num_images": {"min": 1, "max": MAX_IMAGES}, "num_reference": {"min": 2, "max": MAX_IMAGES},
-                 "images": {"min": 1}, "minutes": {"above": 0}, "kid_subsets": {"min": 1},
+                 "images": {"min": 1}, "minutes": {"above": 0}, "kid_subsets": {"min": 1, "max": 10000},
                  "kid_subset_size": {"min": 2}, "workers": {"min": 0, "max": 256},
+                 # guidance: 1 is none, papers use 1.5 to 10; far above, float32 overflows
+                 "guidance": {"min": 1, "max": 100},
                  "kid_seed": {"min": 0, "max": 2 ** 32 - 1}}  # numpy's RandomState
 
 
@@ -84,6 +87,28 @@ def megengine_failures(how_to_continue):
         fail(f"MegEngine failed: {megengine_error_cause(exc)}; {how_to_continue}", code=1)
 
 
+def check_flagfiles(args, including=()):
+    """``UsageError`` for a ``--flagfile`` in ``args`` that is not text (a checkpoint, say) or that includes itself,
+    directly or through the flagfiles it names; a missing one is left to absl's own message. ``including``: the
+    flagfiles (real paths) whose lines ``args`` are."""
+    named = [arg.split("=", 1)[1] for arg in args if arg.startswith(("--flagfile=", "-flagfile="))]
+    named += [value for flag, value in zip(args, args[1:]) if flag in ("--flagfile", "-flagfile")]
+    for path in named:
+        real = os.path.realpath(path)
+        if real in including:
+            raise UsageError(f"flagfile {path} includes itself (through {' -> '.join(including)}); remove that "
+                             "--flagfile line")
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = [line.strip() for line in f]
+        except UnicodeDecodeError:
+            raise UsageError(f"--flagfile {path} is not a text file of flags; give a flagfile such as a run's "
+                             "flags.cfg (a checkpoint is read with --ckpt, --init_from or --resume)") from None
+        except OSError:
+            continue
+        check_flagfiles(lines, including + (real,))
+
+
 def parse_into(flag_values, argv):
     """Parse ``argv`` into ``flag_values``; ``UsageError`` for a bad flag, a missing flagfile, a number that is
     not finite (every float flag of every script), a number outside its flag's bounds (``SCRIPT_BOUNDS``, or
@@ -91,6 +116,7 @@ def parse_into(flag_values, argv):
     arguments."""
     from megdiffusion.training.config import ConfigError, check_bounds, field_bounds
 
+    check_flagfiles(argv[1:])
     try:
         rest = flag_values(argv)
     except flags.Error as err:

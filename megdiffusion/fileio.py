@@ -111,6 +111,19 @@ def check_writable(path, flag, directory=True, overwrite=False):
     return existing
 
 
+def check_not_input(output, flag, *inputs):
+    """``OutputError`` when the path ``output`` (given by ``flag``) is one of ``inputs``, however named: through
+    symbolic links, ``..`` or a hard link. Called before anything is opened for writing."""
+    for source in inputs:
+        if source is None:
+            continue
+        same = os.path.realpath(output) == os.path.realpath(source)
+        if not same and os.path.exists(output) and os.path.exists(source):
+            same = os.path.samefile(output, source)
+        if same:
+            raise OutputError(f"{flag} {output} is the input {source} itself; give the output another path")
+
+
 @contextlib.contextmanager
 def output_directory(path, flag, marker):
     """Hold directory ``path`` for one command's writes: ``check_writable``, create it, and lock it against

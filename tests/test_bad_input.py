@@ -101,6 +101,12 @@ def shared(tmp_path_factory, tiny_config, tiny_images):
     (root / "truncated.data").write_bytes((root / "p8.data").read_bytes()[:-100])
     prepare(ArraySource(np.repeat(tiny_images(16), 3, axis=3), None, "tiny rgb"), root / "rgb8.data", 8, workers=0)
 
+    # issue 50
+    (root / "self.cfg").write_text("--batch_size=8\n--flagfile=self.cfg\n")
+    (root / "a.cfg").write_text("--flagfile=b.cfg\n")
+    (root / "b.cfg").write_text("--flagfile=a.cfg\n")
+    os.symlink("data.npz", root / "data_link.npz")
+
     # issue 36 (compressed: an identity sigma of 2048 x 2048 is 32 MB)
     np.savez_compressed(root / "stats_plain.npz", mu=np.zeros(2048), sigma=np.eye(2048))
     np.savez_compressed(root / "one_feature.npz", mu=np.zeros(2048), sigma=np.eye(2048),
@@ -119,6 +125,51 @@ DEMO = ["--output=out", "--minutes=0.01", "--num_images=4", "--num_reference=4",
 # (id, script, arguments, what the error line says). Later flags override earlier ones; {shared} is the shared
 # directory (its samples' manifests name the shared run). Ids marked "17:" are the cases issue 17 reported broken.
 CASES = [
+    # issue 50, cause A: a solver's steps bounded by the model's timesteps, in every command that samples
+    ("50:euler-leading-over-T", "sample", [*SAMPLE, "--sampler=euler", "--spacing=leading", "--steps=41"],
+     "--steps 41 is more than --spacing leading can place on this model's 40 timesteps without repeating a noise "
+     "level: euler takes at most 40 steps there"),
+    ("50:unipc-linspace-at-T", "sample", [*SAMPLE, "--sampler=unipc", "--spacing=linspace", "--steps=40"],
+     "unipc takes at most 39 steps there"),
+    ("50:dpmpp-trailing-over-T", "sample", [*SAMPLE, "--sampler=dpmpp_2m_sde", "--spacing=trailing", "--steps=400"],
+     "dpmpp_2m_sde takes at most 40 steps there"),
+    ("50:fid-heun-leading-over-T", "fid", ["--ckpt=run", "--num_images=2", "--sampler=heun", "--spacing=leading",
+                                           "--steps=41", "images"], "heun takes at most 40 steps there"),
+    ("50:grid-euler-over-T", "train", [*TRAIN, "--sample_every=1", "--sample_sampler=euler",
+                                       "--sample_spacing=leading", "--sample_steps=41"],
+     "--sample_sampler/--sample_steps/--sample_spacing/--sample_order: --steps 41 is more than"),
+    ("50:demo-dpmpp-leading-over-T", "demo", [*DEMO, "--sampler=dpmpp_3m", "--spacing=leading", "--steps=2000"],
+     "dpmpp_3m takes at most 1000 steps there"),
+    # cause B: guidance bounded (its float32 overflow gave NaN images; tests/test_sample.py for the finiteness check)
+    ("50:guidance-overflowing", "sample", [*SAMPLE, "--sampler=dpmpp_2m", "--steps=4", "--guide_ckpt=run",
+                                           "--guidance=1e308"], "--guidance must be >= 1 and <= 100, got 1e+308"),
+    ("50:fid-guidance-overflowing", "fid", ["--ckpt=run", "--num_images=2", "--guide_ckpt=run", "--guidance=1e30",
+                                            "images"], "--guidance must be >= 1 and <= 100"),
+    # cause E: flagfiles that cannot be read
+    ("50:flagfile-a-checkpoint", "train", ["--flagfile=run/checkpoints/ckpt_0000002.pkl"],
+     "--flagfile run/checkpoints/ckpt_0000002.pkl is not a text file of flags"),
+    ("50:flagfile-including-itself", "train", ["--flagfile=self.cfg"], "flagfile self.cfg includes itself"),
+    ("flagfile-cycle", "sample", ["--flagfile=a.cfg"], "flagfile a.cfg includes itself (through"),
+    ("flagfile-binary-of-fid", "fid", ["--flagfile=data.npz", "images", "images"], "--flagfile data.npz is not a text"),
+    # cause I: a message that contradicts itself
+    ("50:metrics-all-and-fid", "fid", ["--metrics=all,fid", "images", "images"],
+     "'all' stands alone in --metrics (it means fid,kid,pr); got 'all,fid'"),
+    ("fid-metrics-all-and-kid-in-training", "train", [*TRAIN, "--fid_every=1", "--fid_metrics=kid,all"],
+     "'all' stands alone in --fid_metrics"),
+    # cause J: counts with an upper bound
+    ("50:kid-subsets-huge", "fid", ["--metrics=kid", "--kid_subsets=99999999999999999999", "images", "images"],
+     "--kid_subsets must be >= 1 and <= 10000"),
+    # cause K: an output that is its own input, however named
+    ("50:stats-over-their-images", "fid", ["--save_stats", "--overwrite", "data.npz", "data.npz"],
+     "OUT.npz data.npz is the input data.npz itself; give the output another path"),
+    ("stats-over-their-images-through-a-link", "fid", ["--save_stats", "--overwrite", "data.npz", "data_link.npz"],
+     "OUT.npz data_link.npz is the input data.npz itself"),
+    ("stats-over-their-images-through-dots", "fid", ["--save_stats", "--overwrite", "data.npz", "images/../data.npz"],
+     "is the input data.npz itself"),
+    ("convert-over-its-source", "convert", ["unet_small.pt", "unet_small.pt", "--overwrite"],
+     "OUT unet_small.pt is the input unet_small.pt itself"),
+    ("prepare-over-its-source-through-a-link", "prepare", ["data.npz", "data_link.npz", "--overwrite"],
+     "DEST data_link.npz is the input data.npz itself"),
     # prepare (issue 47)
     ("47:prepare-no-images", "prepare", ["empty", "out.data", "--image_size=8"], "no images (.png, .jpg"),
     ("47:prepare-corrupt-image", "prepare", ["images_broken", "out.data", "--image_size=8"],
@@ -134,7 +185,8 @@ CASES = [
     ("47:prepare-dest-under-a-file", "prepare", ["images", "afile.txt/x.data", "--image_size=8"],
      "afile.txt is a file"),
     ("prepare-dest-is-a-directory", "prepare", ["images", "empty", "--image_size=8"], "DEST empty is a directory"),
-    ("prepare-dest-is-src", "prepare", ["data.npz", "data.npz", "--overwrite"], "DEST data.npz is SRC itself"),
+    ("prepare-dest-is-src", "prepare", ["data.npz", "data.npz", "--overwrite"],
+     "DEST data.npz is the input data.npz itself; give the output another path"),
     ("prepare-src-missing", "prepare", ["nope", "out.data", "--image_size=8"], "SRC nope does not exist"),
     ("prepare-src-not-images", "prepare", ["afile.txt", "out.data", "--image_size=8"], "afile.txt is not a folder of"),
     ("prepare-folder-without-size", "prepare", ["images", "out.data"], "give --image_size"),
@@ -328,7 +380,7 @@ CASES = [
     ("guidance-without-guide", "sample", [*SAMPLE, "--guidance=2"], "--guidance 2 needs --guide_ckpt, the weaker"),
     ("guide-without-guidance", "sample", [*SAMPLE, "--guide_ckpt=run"], "--guide_ckpt needs --guidance above 1"),
     ("guidance-below-one", "sample", [*SAMPLE, "--guide_ckpt=run", "--guidance=0.5"],
-     "--guidance must be a number >= 1 (1: no guidance"),
+     "--guidance must be >= 1 and <= 100, got 0.5"),
     ("guide-of-another-recipe", "sample", [*SAMPLE, "--guide_ckpt=cosine.pkl", "--guidance=2"],
      "--guide_ckpt cosine.pkl was trained with different beta_schedule (--beta_schedule=cosine) than the sampled"),
     ("guide-missing", "sample", [*SAMPLE, "--guide_ckpt=nope.pkl", "--guidance=2"], "no checkpoint file at nope.pkl"),

@@ -335,3 +335,23 @@ def test_a_solver_samples_a_class_conditional_model_per_class(conditional_logdir
         np.testing.assert_array_equal(mixed[i], alone[0])
     other = generate_images(model, diffusion, SHAPE, [0], 0, "unipc", 4, class_label=1)
     assert not np.array_equal(mixed[0], other[0])
+
+
+def test_nan_samples_are_refused_and_nothing_of_them_is_written(logdir, tmp_path, monkeypatch):
+    """A sampler that diverges (here: image 5 made NaN after sampling) is one error naming the images and the likely
+    cause; the earlier batch stays on disk, the bad one is not written as white or black PNGs."""
+    from megdiffusion.diffusion.gaussian import GaussianDiffusion
+    from megdiffusion.sampling.generation import NonFiniteSamples
+
+    original = GaussianDiffusion.sample
+
+    def diverging(self, model, shape, *args, seeds=None, **kwargs):
+        x = original(self, model, shape, *args, seeds=seeds, **kwargs).numpy().copy()
+        x[[i for i, seed in enumerate(seeds) if seed & 0xFFFFFFFF == 5]] = np.nan
+        return x
+
+    monkeypatch.setattr(GaussianDiffusion, "sample", diverging)
+    with pytest.raises(NonFiniteSamples, match=r"1 of images 4\.\.5 came out NaN or infinite \(ddim-4, first: "
+                                               r"image 5\): the sampling diverged; try more --steps or another"):
+        sampling.run_job(job(logdir, tmp_path / "out"))
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == [f"{i:06d}.png" for i in range(4)]

@@ -276,3 +276,30 @@ def test_a_learned_variance_is_ignored_and_clipping_is_per_call(sampler):
                                clip_denoised=False, draw_noise=lambda: Tensor(np.zeros(shape, np.float32)))
     np.testing.assert_allclose(images, 1.0)
     np.testing.assert_allclose(unclipped.numpy(), 3.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("sampler", solvers.SOLVERS)
+@pytest.mark.parametrize("spacing", solvers.INTEGER_SPACINGS)
+def test_a_solvers_steps_are_bounded_by_the_models_timesteps(sampler, spacing):
+    """Past the bound an integer spacing repeats noise levels (or calls t = 0 or -1, dividing by zero): refused in
+    one line that names the most steps; up to it every call is at a distinct level above 0. Euler and Heun on
+    linspace call fractional timesteps: any count has distinct levels."""
+    diffusion = GaussianDiffusion(make_beta_schedule("linear", 40))
+    accepted = [steps for steps in range(3, 90) if _accepts(diffusion, sampler, steps, spacing)]  # dpmpp_3m: >= 3
+    most = max(accepted)
+    assert accepted == list(range(3, most + 1))
+    fractional = sampler in (solvers.EULER, solvers.HEUN) and spacing == "linspace"
+    assert most == 89 if fractional else most in (39, 40)
+    grid = solvers.make_grid(diffusion.alphas_cumprod, most, spacing, sampler)
+    assert np.all(np.diff(grid.sigmas[:-1]) < 0) and np.all(grid.sigmas[:-1] > 0)
+    if not fractional:
+        with pytest.raises(ValueError, match=f"{sampler} takes at most {most} steps there"):
+            diffusion.check_sampling(sampler, most + 1, spacing=spacing)
+
+
+def _accepts(diffusion, sampler, steps, spacing):
+    try:
+        diffusion.check_sampling(sampler, steps, spacing=spacing)
+    except ValueError:
+        return False
+    return True

@@ -418,7 +418,14 @@ class GaussianDiffusion:
         if self.mean_type == "xprev":
             raise ValueError(f"{sampler} needs the model's x_0 prediction, which a mean_type 'xprev' model does not "
                              "give; sample it with ddpm or ddim")
-        solvers.check_solver(sampler, *solvers.with_defaults(steps, spacing), order)
+        steps, spacing = solvers.with_defaults(steps, spacing)
+        solvers.check_solver(sampler, steps, spacing, order)
+        if not solvers.distinct_levels(self.alphas_cumprod, steps, spacing, sampler):
+            most = next(s for s in range(min(steps, self.num_timesteps), 0, -1)
+                        if solvers.distinct_levels(self.alphas_cumprod, s, spacing, sampler))
+            raise ValueError(f"--steps {steps} is more than --spacing {spacing} can place on this model's "
+                             f"{self.num_timesteps} timesteps without repeating a noise level: {sampler} takes at "
+                             f"most {most} steps there")
 
     def sample(self, model, shape, sampler="ddpm", steps=None, eta=0.0, noise=None, clip_denoised=True,
                progress=False, seeds=None, respacing=None, spacing=None, order=None):

@@ -125,6 +125,14 @@ def make_grid(alphas_cumprod, steps, spacing, sampler, lambda_min_clipped=-np.in
     return Grid(np.append(sigmas, 0.0), timesteps)
 
 
+def distinct_levels(alphas_cumprod, steps, spacing, sampler):
+    """Whether ``make_grid`` gives ``sampler`` ``steps`` model calls at strictly decreasing noise levels above 0 on
+    this chain (more steps than an integer spacing has timesteps repeat levels, or reach t = 0 or t = -1)."""
+    grid = make_grid(alphas_cumprod, steps, spacing, sampler)
+    calls = grid.sigmas[:-1]
+    return bool(np.all(calls > 0) and np.all(np.diff(calls) < 0) and np.all(grid.timesteps >= 0))
+
+
 def _lambdas(sigmas):
     """lambda = -log sigma (+inf at sigma 0)."""
     with np.errstate(divide="ignore"):

@@ -218,6 +218,8 @@ def save_statistics(path, stats):
     """Write ``stats`` to an npz file atomically: ``mu`` and ``sigma`` in float64 (pytorch-fid / TTUR format), and
     ``features`` in float32 when it holds them."""
     arrays = dict(mu=np.asarray(stats.mu, np.float64), sigma=np.asarray(stats.sigma, np.float64))
+    if not all(np.isfinite(a).all() for a in (stats.mu, stats.sigma, stats.features) if a is not None):
+        raise FIDError(f"the statistics for {path} hold NaN or infinity; nothing was written")
     if stats.features is not None:
         arrays["features"] = np.asarray(stats.features, np.float32)
     save_npz(path, **arrays)

@@ -13,6 +13,8 @@ def parse_metrics(text, flag="--metrics"):
     names = {name.strip() for name in text.split(",")}
     if names == {"all"}:
         return METRICS
+    if "all" in names:
+        raise FIDError(f"'all' stands alone in {flag} (it means {','.join(METRICS)}); got {text!r}")
     unknown = sorted(names - set(METRICS))
     if unknown:
         raise FIDError(f"unknown metric {', '.join(map(repr, unknown))} in {flag} {text!r}; choose from "

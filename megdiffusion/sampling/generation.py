@@ -21,6 +21,8 @@ import megengine as mge
 import megengine.functional as F
 
 from megdiffusion.diffusion.samplers import eval_mode
+from megdiffusion.diffusion.solvers import sampler_label
+from megdiffusion.errors import MegdiffusionError
 from megdiffusion.images import to_uint8
 from megdiffusion.cpu.native import NativeModel
 from megdiffusion.nn.options import NO_CLASS
@@ -101,11 +103,30 @@ def generate_images(model, diffusion, image_shape, indices, seed, sampler="ddpm"
             x = diffusion.sample(conditioned, (len(chunk),) + tuple(image_shape), sampler=sampler, steps=steps, eta=eta,
                                  seeds=[image_seed(seed, i) for i in chunk], respacing=respacing, spacing=spacing,
                                  order=order)
-            out.append(to_uint8(x))
+            out.append(to_uint8(finite_samples(x, chunk, sampler, steps, respacing, spacing, order, guidance)))
             if progress is not None:
                 progress.update(len(chunk))
     c, h, w = image_shape
     return np.concatenate(out) if out else np.zeros((0, h, w, c), np.uint8)
+
+
+class NonFiniteSamples(MegdiffusionError):
+    """Sampling gave NaN or infinite images; the message names the images and the likely cause."""
+
+
+def finite_samples(x, indices, sampler, steps, respacing, spacing, order, guidance):
+    """``x`` (the float samples of images ``indices``) as numpy, or ``NonFiniteSamples`` when any is NaN or infinite:
+    such images would be written as flat white or black, and scored as if they were images."""
+    x = np.asarray(x.numpy() if hasattr(x, "numpy") else x)
+    bad = ~np.isfinite(x.reshape(len(x), -1)).all(axis=1)
+    if bad.any():
+        label = sampler_label(sampler, steps, respacing, spacing, order)
+        guided = f" guided with w={guidance.weight:g}" if guidance is not None else ""
+        lower = "lower --guidance, or " if guidance is not None else ""
+        raise NonFiniteSamples(f"{int(bad.sum())} of images {indices[0]}..{indices[-1]} came out NaN or infinite "
+                               f"({label}{guided}, first: image {indices[int(np.argmax(bad))]}): the sampling "
+                               f"diverged; {lower}try more --steps or another --sampler; they were not written")
+    return x
 
 
 def check_class_label(class_label, num_classes):

@@ -13,7 +13,7 @@ from megdiffusion.cli import UsageError, megengine_failures, one_line_errors, pa
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import VAR_TYPES
 from megdiffusion.diffusion.schedules import SCHEDULES
-from megdiffusion.fileio import check_writable
+from megdiffusion.fileio import check_not_input, check_writable
 from megdiffusion.formats import CHANNEL_ORDERS, FORMATS
 
 FLAGS = flags.FLAGS
@@ -46,6 +46,7 @@ def main(argv):
         if len(argv) != 3:
             raise UsageError(f"expected two arguments, SRC OUT; got {len(argv) - 1}")
         src, out = argv[1:]
+        check_not_input(out, "OUT", src)
         check_writable(out, "OUT", directory=False, overwrite=FLAGS.overwrite)  # before the conversion, not after it
         cfg, weights, record = convert(src, FLAGS.format, FLAGS.ema, FLAGS.image_size, FLAGS.norm_groups,
                                        FLAGS.var_type, FLAGS.channel_order, FLAGS.num_heads, FLAGS.num_timesteps,

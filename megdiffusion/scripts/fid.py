@@ -19,7 +19,7 @@ from megdiffusion.cli import (UsageError, define_guidance_flags, define_solver_f
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import SAMPLERS
 from megdiffusion.diffusion.solvers import sampler_label
-from megdiffusion.fileio import check_writable
+from megdiffusion.fileio import check_not_input, check_writable
 from megdiffusion.metrics.kid_pr import KID_SEED, KID_SUBSET_SIZE, KID_SUBSETS
 from megdiffusion.metrics.scores import check_sizes, compare, needs_features, parse_metrics, score_lines
 
@@ -150,6 +150,7 @@ def main(argv):
             if not paths[1].endswith(".npz"):
                 raise UsageError(f"the statistics file must end in .npz, got {paths[1]!r}")
             # before the Inception pass, not after it
+            check_not_input(paths[1], "OUT.npz", paths[0])
             check_writable(paths[1], "OUT.npz", directory=False, overwrite=FLAGS.overwrite)
             stats = _statistics(open_source(paths[0], FLAGS.num_images, FLAGS.save_features, FLAGS.image_size,
                                             FLAGS.seed), FLAGS.save_features)

@@ -15,6 +15,7 @@ from absl import app, flags
 
 from megdiffusion.cli import UsageError, one_line_errors, parse_flags
 from megdiffusion.data.sources import ArraySource
+from megdiffusion.fileio import check_not_input
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("image_size", None, "The training resolution: every image is centre-cropped to a square and "
@@ -42,8 +43,7 @@ def main(argv):
         if len(argv) != 3:
             raise UsageError(f"expected two arguments, SRC DEST; got {len(argv) - 1}")
         src, dest = argv[1:]
-        if os.path.exists(src) and os.path.exists(dest) and os.path.samefile(src, dest):
-            raise UsageError(f"DEST {dest} is SRC itself; give DEST a new name")
+        check_not_input(dest, "DEST", src)
         if not os.path.exists(src) and src != "fashion_mnist":
             raise UsageError(f"SRC {src} does not exist")
         source = source_for(src, FLAGS.labels)
