@@ -8,6 +8,7 @@ import sys
 from absl import flags
 
 from megdiffusion.errors import MegdiffusionError
+from megdiffusion import environment
 
 
 class UsageError(MegdiffusionError):
@@ -140,7 +141,16 @@ def parse_into(flag_values, argv):
 def parse_flags(argv):
     """absl's flag parsing for ``app.run(..., flags_parser=parse_flags)``: a bad flag is one line, exit 2."""
     with one_line_errors():
+        environment.check()
         return parse_into(flags.FLAGS, argv)
+
+
+def check_flags_matter(flag_values, rules):
+    """``UsageError`` for a flag given on the command line that does nothing in the combination given: ``rules``
+    maps a flag's name to (whether it matters, given the flags; what it needs, as the user would write it)."""
+    for name, (matters, needs) in rules.items():
+        if flag_values[name].present and not matters(flag_values):
+            raise UsageError(f"--{name} does nothing without {needs}; drop it, or add {needs}")
 
 
 def reject_arguments(argv):

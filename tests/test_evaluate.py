@@ -69,3 +69,13 @@ def test_time_limit_stops_early_with_a_checkpoint(run, tmp_path):
     reached = run(tmp_path, total_steps=100000, time_limit_minutes=0.5 / 60).run()
     assert 1 <= reached < 100000
     assert ckpt.list_checkpoints(str(tmp_path))[-1].endswith(f"ckpt_{reached:07d}.pkl")
+
+
+def test_fid_cli_samples_a_solver_with_its_default_steps(run, tmp_path):
+    """fid --ckpt --sampler euler without --steps: the solvers' default (20), as scripts.sample and the docs say."""
+    run(tmp_path, fid_every=2, fid_num_images=4).run()
+    result = subprocess.run([sys.executable, "-m", "megdiffusion.scripts.fid", f"--ckpt={tmp_path}",
+                             "--num_images=4", "--sampler=euler", "--noprogress", str(tmp_path / "fid_reference.npz")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "step 2, euler-20 karras," in result.stdout, result.stdout

@@ -300,7 +300,8 @@ def test_launched_sampling_on_gpus_equals_one_process(logdir, tmp_path):
         sampling.run_job(launched, num_gpus=gpus)
     else:  # one GPU: still through the launcher, as one spawned process
         os.makedirs(launched.output)
-        sampling.prepare_output(launched.output, launched.manifest(3))
+        _, diffusion, _, step = sampling.load_model(launched.ckpt)
+        sampling.prepare_output(launched.output, launched.manifest(step, diffusion), diffusion)
         distributed.launch(sampling.sample_share, (launched,), 1, use_launcher=True)
     one, many = (sampling.read_samples(tmp_path / name, 6).astype(int) for name in ("one", "launched"))
     assert np.abs(one - many).max() <= 1  # other processes, maybe other GPUs: rounding may differ
@@ -355,3 +356,16 @@ def test_nan_samples_are_refused_and_nothing_of_them_is_written(logdir, tmp_path
                                                r"image 5\): the sampling diverged; try more --steps or another"):
         sampling.run_job(job(logdir, tmp_path / "out"))
     assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == [f"{i:06d}.png" for i in range(4)]
+
+
+def test_a_directory_continues_when_its_defaults_are_spelt_out(logdir, tmp_path):
+    """The manifest holds resolved settings: unipc's default steps, spacing and order given explicitly are the same
+    run, and continue it; the manifest lists every setting, those left at their default too."""
+    output = tmp_path / "out"
+    sampling.run_job(job(logdir, output, sampler="unipc", steps=None, num_images=2))
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert (manifest["steps"], manifest["spacing"], manifest["order"], manifest["guidance"]) == (20, "karras", 2, 1.0)
+    sampling.run_job(job(logdir, output, sampler="unipc", steps=20, spacing="karras", order=2, num_images=4))
+    assert len(list(output.glob("*.png"))) == 4 + 1  # the images and grid.png
+    with pytest.raises(sampling.SamplingError, match=r"other settings \(order: 2 -> 3\)"):
+        sampling.run_job(job(logdir, output, sampler="unipc", order=3, steps=None, num_images=6))

@@ -34,7 +34,6 @@ Only float32 inputs with dilation 1, groups 1, zero padding and cross-correlatio
 path, and never inside ``megengine.jit.trace``; everything else uses the native kernels.
 Parameters and checkpoints are those of ``megengine.module.Conv2d`` on both paths.
 """
-import os
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -47,23 +46,14 @@ from megengine.jit.tracing import is_tracing
 from megdiffusion.cpu.batch_threads import for_batch_chunks
 from megdiffusion.compat import cuda_available
 from megdiffusion.cpu import onednn
+from megdiffusion import environment
 
 ENV_VAR = "MEGDIFFUSION_FAST_CONV"
 # Upper bound on one im2col buffer (floats); a batch chunk holds fewer samples when needed.
 _MAX_COLS = 1 << 24
 
 
-def _setting_from_env():
-    value = os.environ.get(ENV_VAR, "").strip().lower()
-    if value in ("", "auto"):
-        return None
-    if value in ("0", "1"):
-        return value == "1"
-    raise ValueError(f"{ENV_VAR} must be 0 (native kernels), 1 (fast numpy path) or unset (auto); "
-                     f"got {value!r}")
-
-
-_setting = _setting_from_env()
+_setting = environment.read(ENV_VAR, None)  # None: auto
 _auto = None  # cached answer of the auto rule (probing CUDA costs time)
 
 

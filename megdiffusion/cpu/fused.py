@@ -9,11 +9,11 @@ value at a time unless Intel's large SVML runtime is installed (benchmarks/READM
 ``available()`` is False where numba does not import (``MEGDIFFUSION_NUMBA=0`` does the same); ``numpy_unet``
 then keeps its numpy layers, which the tests hold these kernels to.
 """
-import os
 import sys
 import warnings
 
 import numpy as np
+from megdiffusion import environment
 
 # MegEngine's library turns on flush-to-zero when it loads; numba's first kernel load then imports scipy, whose
 # module-level np.finfo calls warn that subnormals are zero. Nothing here depends on subnormals.
@@ -21,7 +21,7 @@ warnings.filterwarnings("ignore", message="The value of the smallest subnormal",
 
 _missing = None  # why numba did not import, when it was wanted
 njit = None
-if os.environ.get("MEGDIFFUSION_NUMBA", "1").strip() != "0":
+if environment.read("MEGDIFFUSION_NUMBA", True):
     try:
         from llvmlite import ir
         from numba import njit, types

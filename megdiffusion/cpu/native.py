@@ -8,7 +8,6 @@ group order, so results are bit-identical on any core count. The training loss i
 noise, x_0 or v), weighted per timestep (``mse_weight``: 1, or Min-SNR's), averaged over the batch.
 ``MEGDIFFUSION_NATIVE_STEP=0`` turns both off: MegEngine then runs the network (with the fast convolutions).
 """
-import os
 
 import numpy as np
 
@@ -18,6 +17,7 @@ from megdiffusion.cpu.group_workers import GroupWorkers
 from megdiffusion.cpu import fused, numpy_unet
 from megdiffusion.cpu.conv import fast_conv_enabled
 from megdiffusion.nn.layers import timestep_embedding
+from megdiffusion import environment
 
 mge = quiet_megengine()
 
@@ -28,7 +28,7 @@ ENV_VAR = "MEGDIFFUSION_NATIVE_STEP"
 def enabled():
     """Whether the next call may run here: the fast CPU path (``cpu.conv.fast_conv_enabled``), and
     ``MEGDIFFUSION_NATIVE_STEP`` is not 0."""
-    return fast_conv_enabled() and os.environ.get(ENV_VAR, "1").strip() != "0"
+    return fast_conv_enabled() and environment.read(ENV_VAR, True)
 
 
 def unsupported(model, diffusion, world_size):

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from megdiffusion.errors import MegdiffusionError
+from megdiffusion import environment
 
 GROUP = 4  # samples per primitive execution (the unit of determinism)
 
@@ -104,7 +105,7 @@ class _Library(NamedTuple):
 
 def _load():
     """The ``_Library``, or None when oneDNN cannot be used here."""
-    if os.environ.get("MEGDIFFUSION_ONEDNN", "1").strip() == "0":
+    if not environment.read("MEGDIFFUSION_ONEDNN", True):
         return None
     path = os.path.join(sys.prefix, "lib", "libdnnl.so.3")
     try:

@@ -427,6 +427,18 @@ class GaussianDiffusion:
                              f"{self.num_timesteps} timesteps without repeating a noise level: {sampler} takes at "
                              f"most {most} steps there")
 
+    def resolved_sampling(self, sampler, steps=None, respacing=None, spacing=None, order=None):
+        """The sampler settings as ``sample`` runs them, every default filled in ({"sampler", "steps", "respacing",
+        "spacing", "order"}): one dict for every spelling of the same run, whatever was left out or spelt out."""
+        if sampler in ANCESTRAL:
+            if respacing:
+                return dict(sampler=sampler, steps=None, respacing=respacing, spacing=None, order=None)
+            return dict(sampler=sampler, steps=self.num_timesteps if steps is None else steps, respacing=None,
+                        spacing=spacing or "leading", order=None)
+        steps, spacing = solvers.with_defaults(steps, spacing)
+        return dict(sampler=sampler, steps=steps, respacing=None, spacing=spacing,
+                    order=order or solvers.ORDERS[sampler][0])
+
     def sample(self, model, shape, sampler="ddpm", steps=None, eta=0.0, noise=None, clip_denoised=True,
                progress=False, seeds=None, respacing=None, spacing=None, order=None):
         """Generate a float32 (N, ...) tensor of samples in [-1, 1].

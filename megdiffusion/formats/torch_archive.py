@@ -22,6 +22,7 @@ import numpy as np
 
 from megdiffusion.errors import MegdiffusionError, one_line
 from megdiffusion.fileio import save_npz
+from megdiffusion import environment
 
 
 class WeightsError(MegdiffusionError):
@@ -280,7 +281,7 @@ def load_array_pickle(path, encoding="ASCII"):
 
 def cache_dir():
     """Folder of converted weights: ``$XDG_CACHE_HOME/megdiffusion`` or ``~/.cache/megdiffusion``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = environment.read("XDG_CACHE_HOME", None) or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "megdiffusion")
 
 

@@ -51,21 +51,15 @@ class SampleJob:
     spacing: Optional[str] = None  # where the steps lie (``diffusion.solvers.SPACINGS``; None: the sampler's default)
     order: Optional[int] = None  # unipc's order (None: its default)
 
-    def manifest(self, step, guide_step=None):
-        """The settings that decide the images (``manifest.json``): a directory never mixes two of them."""
-        settings = {"checkpoint": os.path.abspath(self.ckpt), "step": step, "ema": self.ema,
-                    "sampler": self.sampler, "steps": self.steps, "respacing": self.respacing, "eta": self.eta,
-                    "seed": self.seed}
-        if self.guide_ckpt:  # absent without guidance, so directories written before it existed still continue
-            settings.update(guide_checkpoint=os.path.abspath(self.guide_ckpt), guide_step=guide_step,
-                            guidance=self.guidance)
-            if self.guide_unconditional:  # the same
-                settings["guide_unconditional"] = True
-        if self.class_label is not None:  # the same
-            settings["class_label"] = self.class_label
-        settings.update({name: value for name, value in (("spacing", self.spacing), ("order", self.order))
-                         if value is not None})  # the same
-        return settings
+    def manifest(self, step, diffusion, guide_step=None):
+        """The settings that decide the images (``manifest.json``), resolved (``resolved_sampling``: defaults
+        filled in) and whole: a directory never mixes two of them, and spelling a default out changes nothing."""
+        return {"checkpoint": os.path.abspath(self.ckpt), "step": step, "ema": self.ema, "eta": float(self.eta),
+                "seed": self.seed,
+                **diffusion.resolved_sampling(self.sampler, self.steps, self.respacing, self.spacing, self.order),
+                "guide_checkpoint": os.path.abspath(self.guide_ckpt) if self.guide_ckpt else None,
+                "guide_step": guide_step, "guidance": float(self.guidance),
+                "guide_unconditional": self.guide_unconditional, "class_label": self.class_label}
 
 
 def run_job(job, num_gpus=1):
@@ -82,7 +76,7 @@ def run_job(job, num_gpus=1):
         raise SamplingError(f"--class_label: {err}") from None
     guidance, guide_step = load_guidance(job.guide_ckpt, job.guidance, cfg, job.ema, job.guide_unconditional)
     with output_directory(job.output, "--output", MANIFEST):
-        prepare_output(job.output, job.manifest(step, guide_step))
+        prepare_output(job.output, job.manifest(step, diffusion, guide_step), diffusion)
         if num_gpus == 1:
             sample_share(job, loaded, guidance)
         else:
@@ -163,8 +157,14 @@ def image_path(output, index):
     return Path(output) / f"{index:06d}.png"
 
 
-def prepare_output(output, settings):
-    """Write ``settings`` as the manifest of directory ``output``, or check that its manifest matches them.
+# What a manifest written before a setting existed meant by its absence.
+_ABSENT = {"guide_checkpoint": None, "guide_step": None, "guidance": 1.0, "guide_unconditional": False,
+           "class_label": None, "spacing": None, "order": None}
+
+
+def prepare_output(output, settings, diffusion):
+    """Write ``settings`` (``SampleJob.manifest``) as the manifest of directory ``output``, or check that its
+    manifest, resolved the same way (``diffusion.resolved_sampling``), holds exactly them: every key both ways.
 
     A directory written with other settings is refused, so images of two models or samplers never mix.
     """
@@ -174,11 +174,17 @@ def prepare_output(output, settings):
             previous = json.loads(manifest.read_text())
         except (OSError, ValueError):
             previous = None
-        if not isinstance(previous, dict):
+        if not isinstance(previous, dict) or not isinstance(previous.get("sampler"), str):
             raise SamplingError(f"{manifest} is unreadable; delete it or choose another --output")
-        changed = sorted(k for k in settings if previous.get(k) != settings[k])
+        previous = {**_ABSENT, **previous}
+        try:
+            previous.update(diffusion.resolved_sampling(*(previous.get(key) for key in (
+                "sampler", "steps", "respacing", "spacing", "order"))))
+        except (KeyError, TypeError):
+            raise SamplingError(f"{manifest} is unreadable; delete it or choose another --output") from None
+        changed = sorted(k for k in set(settings) | set(previous) if previous.get(k) != settings.get(k))
         if changed:
-            details = ", ".join(f"{k}: {previous.get(k)!r} -> {settings[k]!r}" for k in changed)
+            details = ", ".join(f"{k}: {previous.get(k)!r} -> {settings.get(k)!r}" for k in changed)
             raise SamplingError(f"{output} holds images made with other settings ({details}); "
                                 "choose another --output or delete it")
         return

@@ -107,7 +107,7 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
     from megdiffusion.training.checkpoint import list_checkpoints, load_latest
     from megdiffusion.training.config import build_diffusion
     from megdiffusion.cli import config_from_flagfile
-    from megdiffusion.training.trainer import train
+    from megdiffusion.training.trainer import check_training, train
 
     logdir = os.path.join(output, "train")
     guide_path = os.path.join(output, GUIDE)
@@ -135,6 +135,7 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
                          f"{len(images)} training images: the floor's real images must be apart from the reference")
     sampler = sampler or cfg.sample_sampler
     check_sampler(build_diffusion(cfg), sampler, steps, spacing=spacing, order=order)  # before training, not after it
+    check_training(cfg)  # before the demo's own files, not after them
     with output_directory(output, "--output", MARKER):
         prepare_output(output, resume)
         started = time.monotonic()

@@ -14,16 +14,17 @@ import sys
 
 from absl import app, flags
 
-from megdiffusion.cli import (UsageError, define_guidance_flags, define_solver_flags, megengine_failures,
-                              one_line_errors, parse_flags)
+from megdiffusion.cli import (UsageError, check_flags_matter, define_guidance_flags, define_solver_flags,
+                              megengine_failures, one_line_errors, parse_flags)
 from megdiffusion.compat import quiet_megengine
-from megdiffusion.diffusion.choices import SAMPLERS
-from megdiffusion.diffusion.solvers import sampler_label
+from megdiffusion.diffusion.choices import ANCESTRAL, SAMPLERS
+from megdiffusion.diffusion.solvers import DEFAULT_STEPS, sampler_label
 from megdiffusion.fileio import check_not_input, check_writable
 from megdiffusion.metrics.kid_pr import KID_SEED, KID_SUBSET_SIZE, KID_SUBSETS
 from megdiffusion.metrics.scores import check_sizes, compare, needs_features, parse_metrics, score_lines
 
 FLAGS = flags.FLAGS
+ANCESTRAL_STEPS = 50  # ddpm's and ddim's steps when --steps is not given: DDIM-50, a common FID protocol
 flags.DEFINE_boolean("save_stats", False, "Write the statistics of PATH to OUT.npz instead of computing FID.")
 flags.DEFINE_boolean("save_features", False, "With --save_stats: keep the pool3 features too (float32, 8 KB an "
                      "image: 400 MB for 50,000), which KID and precision/recall need.")
@@ -50,7 +51,8 @@ flags.DEFINE_string("ckpt", None, "Score a model: sample --num_images from this 
                     "and compare them with the one PATH given.")
 flags.DEFINE_bool("ema", True, "With --ckpt: sample with the EMA weights (--noema: raw weights).")
 flags.DEFINE_enum("sampler", "ddim", SAMPLERS, "With --ckpt: the sampler.")
-flags.DEFINE_integer("steps", 50, "With --ckpt: sampling steps.")
+flags.DEFINE_integer("steps", None, f"With --ckpt: sampling steps (default: {ANCESTRAL_STEPS} for ddpm and ddim, "
+                     f"{DEFAULT_STEPS} for the solvers, as scripts.sample's solvers).")
 flags.DEFINE_string("respacing", None, "With --ckpt, instead of --steps: improved-diffusion's timestep respacing "
                     "('50', 'ddim50', '10,15,20'; see scripts.sample).")
 flags.DEFINE_float("eta", 0.0, "With --ckpt: DDIM eta.")
@@ -58,6 +60,14 @@ flags.DEFINE_integer("seed", 0, "With --ckpt: image i of the samples depends onl
                      "of --num_images and of --floor's halves.")
 define_solver_flags()
 define_guidance_flags()
+
+_KID = (lambda f: "kid" in parse_metrics(f.metrics), "--metrics with kid (or all)")
+_CKPT = (lambda f: bool(f.ckpt), "--ckpt (scoring a model's samples)")
+# What each flag needs to matter (``cli.check_flags_matter``).
+FLAG_NEEDS = {"kid_subsets": _KID, "kid_subset_size": _KID, "kid_seed": _KID,
+              "overwrite": (lambda f: f.save_stats, "--save_stats"),
+              **{name: _CKPT for name in ("ema", "sampler", "steps", "respacing", "eta", "spacing", "order",
+                                          "guide_ckpt", "guidance", "guide_unconditional")}}
 
 
 def _statistics(source, keep_features):
@@ -73,6 +83,13 @@ def _set_size(source):
     return len(source.features) if isinstance(source, Statistics) else len(source)
 
 
+def _steps():
+    """--steps, or its default for --sampler (none with --respacing)."""
+    if FLAGS.steps is not None or FLAGS.respacing:
+        return FLAGS.steps
+    return ANCESTRAL_STEPS if FLAGS.sampler in ANCESTRAL else DEFAULT_STEPS
+
+
 def model_scores(reference_spec, metrics):
     """``metrics`` of --num_images samples of the --ckpt model against all of ``reference_spec``."""
     from megdiffusion.sampling.evaluate import model_scores as score
@@ -82,7 +99,7 @@ def model_scores(reference_spec, metrics):
     if not FLAGS.num_images:
         raise UsageError("--ckpt needs --num_images (how many samples to score; papers use 50,000)")
     model, diffusion, cfg, step = load_model(FLAGS.ckpt, ema=FLAGS.ema)
-    steps = FLAGS.steps if FLAGS["steps"].present or not FLAGS.respacing else None  # --steps has a default
+    steps = _steps()
     check_sampler(diffusion, FLAGS.sampler, steps, FLAGS.eta, FLAGS.respacing, FLAGS.spacing, FLAGS.order)
     guidance, _ = load_guidance(FLAGS.guide_ckpt, FLAGS.guidance, cfg, FLAGS.ema, FLAGS.guide_unconditional)
     source = open_source(reference_spec, need_features=needs_features(metrics), image_size=FLAGS.image_size,
@@ -123,6 +140,7 @@ def main(argv):
     from megdiffusion.metrics.fid import open_source, save_statistics
 
     with one_line_errors(), megengine_failures("rerun the same command"):
+        check_flags_matter(FLAGS, FLAG_NEEDS)
         if FLAGS.num_images is not None and FLAGS.num_images < 2:  # the flags' bounds: cli.parse_into
             raise UsageError(f"FID needs --num_images >= 2 (a covariance), got {FLAGS.num_images}")
         metrics = parse_metrics(FLAGS.metrics)
@@ -132,8 +150,7 @@ def main(argv):
             if len(paths) != 1:
                 raise UsageError(f"with --ckpt give one reference PATH (images or stats npz); got {len(paths)}")
             scores, step = model_scores(paths[0], metrics)
-            label = sampler_label(FLAGS.sampler, None if FLAGS.respacing else FLAGS.steps, FLAGS.respacing,
-                                  FLAGS.spacing, FLAGS.order)
+            label = sampler_label(FLAGS.sampler, _steps(), FLAGS.respacing, FLAGS.spacing, FLAGS.order)
             guided = f", guided by {FLAGS.guide_ckpt} with w={FLAGS.guidance:g}" if FLAGS.guide_ckpt else ""
             for line in score_lines(scores):
                 print(f"{line} ({FLAGS.num_images} {'EMA' if FLAGS.ema else 'raw'} samples of {FLAGS.ckpt} step "

@@ -87,7 +87,7 @@ class TrainConfig:
                                  "unconditionally: classifier-free guidance (Ho & Salimans 2022: 0.1-0.2).",
                                  min=0, below=1)
     # Diffusion
-    num_timesteps: int = _flag(1000, "Number of diffusion steps T.")
+    num_timesteps: int = _flag(1000, "Number of diffusion steps T.", min=2, max=100000)
     beta_schedule: str = _flag("linear", "Beta schedule.", choices=SCHEDULES)
     mean_type: str = _flag("eps", "What the network predicts: the noise, x_0, the mean of x_{t-1}, or v "
                            "(sqrt(alpha_bar) noise - sqrt(1 - alpha_bar) x_0, Salimans & Ho 2022).",
@@ -138,7 +138,7 @@ class TrainConfig:
     save_every: int = _flag(5000, "Save a checkpoint every this many steps (0: only at the end).", min=0)
     keep_checkpoints: int = _flag(3, "How many of the newest checkpoints to keep.", min=1)
     sample_every: int = _flag(5000, "Save an EMA sample grid every this many steps (0: never).", min=0)
-    sample_num: int = _flag(64, "Images in each sample grid.", min=1)
+    sample_num: int = _flag(64, "Images in each sample grid.", min=1, max=4096)
     sample_sampler: str = _flag("ddim", "Sampler for the grids (and for --fid_every).", choices=SAMPLERS)
     sample_steps: int = _flag(50, "Sampling steps for the grids (and for --fid_every), at most T.")
     sample_spacing: Optional[str] = _flag(None, "Where the grids' sampling steps lie (scripts.sample --spacing); "
@@ -152,7 +152,8 @@ class TrainConfig:
                                       "this process (0: no limit); --resume continues later.", min=0)
     fid_every: int = _flag(0, "Score the EMA model with FID every this many steps (0: never); samples with "
                            "--sample_sampler/--sample_steps, reference stats cached in the logdir.", min=0)
-    fid_num_images: int = _flag(1000, "Samples per FID evaluation during training (a covariance needs 2).", min=2)
+    fid_num_images: int = _flag(1000, "Samples per FID evaluation during training (a covariance needs 2).", min=2,
+                                max=2 ** 32)  # image i's seed is (seed << 32) + i: cli.MAX_IMAGES
     fid_metrics: str = _flag("fid", "What --fid_every scores: fid, kid, pr (precision/recall) comma-separated, or all; "
                              "KID and precision/recall keep the reference's features in fid_reference.npz.")
     # Devices

@@ -409,6 +409,13 @@ def _worker(cfg, images=None, latest=None, progress=True):
     return TrainingRun(cfg, images, world_size, rank, progress).run(latest)
 
 
+def check_training(cfg):
+    """What ``train`` checks of the machine before it writes anything: the devices and distributed flags, and the
+    step's options (``check_step_options``); for callers that write before training (the demo)."""
+    distributed.check_launch(cfg.num_gpus, cfg.device, cfg.world_size, cfg.rank_start, cfg.port)
+    check_step_options(cfg)
+
+
 def train(cfg, images, progress=True, use_launcher=None):
     """Check the devices and the logdir, lock the logdir, write the run files, and train on one or more
     processes. Nothing is written before every check has passed.
@@ -417,8 +424,7 @@ def train(cfg, images, progress=True, use_launcher=None):
     each load the dataset themselves rather than receive a pickled copy. ``use_launcher``: see
     ``distributed.launch``. Returns the step reached (a list, one per local rank, when launched).
     """
-    distributed.check_launch(cfg.num_gpus, cfg.device, cfg.world_size, cfg.rank_start, cfg.port)
-    check_step_options(cfg)
+    check_training(cfg)
     with output_directory(cfg.logdir, "--logdir", RUN_MARKER):
         latest = check_logdir(cfg, images)
         write_run_files(cfg)
