@@ -105,6 +105,7 @@ class Trainer:
         supported = native.unsupported(self._model, self.diffusion, world_size) is None
         self.native_step = native.NativeStep(self._model, self.diffusion, self.params) if supported else None
         self.step_count = 0
+        self.recomputed_steps = 0  # steps whose gradients came out non-finite once, then finite (``step``)
 
     @property
     def model(self):
@@ -153,7 +154,8 @@ class Trainer:
         for a class-conditional network (with ``class_dropout``, each is replaced by ``NO_CLASS`` with that
         probability), and the step's ``draws`` when they were made ahead (``draw_function``; default: drawn
         here): {"loss", "grad_norm", "lr"}, with ``--amp`` also "loss_scale" (the scale this step used),
-        "update_skipped" (its gradients overflowed: no update) and "skipped_updates" (over the run).
+        "update_skipped" (its gradients overflowed: no update) and "skipped_updates" (over the run), and after a
+        step whose gradients were recomputed (non-finite once, then finite) "recomputed_steps" (over the run).
 
         The loss is the batch mean of ``training_losses``' ``loss``, computed in ``--microbatch`` pieces; gradients
         are averaged over ranks, clipped to ``grad_clip`` (the returned norm is the one before clipping), then Adam
@@ -163,7 +165,6 @@ class Trainer:
         """
         cfg = self.cfg
         draws = self.draws(x0.shape, labels) if draws is None else draws
-        mge.random.seed(draws.dropout_seed)
         lr = warmup_lr(cfg, self.step_count)
         for group in self._optimizer.param_groups:
             group["lr"] = lr
@@ -172,8 +173,26 @@ class Trainer:
         # With clipping off, an infinite bound leaves the gradients untouched (scale min(inf, 1) = 1).
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         ema_decay = ema_decay_at(cfg, self.step_count)
-        rows = pieces(len(x0), cfg.microbatch)
         metrics = {"lr": lr}
+        try:
+            loss, grad_norm = self._update(x0, draws, lr, max_norm, ema_decay, metrics)
+        except NonFiniteLossError:
+            # Once more, from the same weights and draws: a transient fault (a GPU's, or MegEngine's CPU race) then
+            # costs one step's compute; a real divergence gives the same numbers and stops as before.
+            loss, grad_norm = self._update(x0, draws, lr, max_norm, ema_decay, metrics)
+            self.recomputed_steps += 1
+            metrics["recomputed_steps"] = self.recomputed_steps
+        if self.has_buffers:
+            for ema_buffer, buffer in zip(self._ema.buffers(), self._model.buffers()):
+                assign_(ema_buffer, buffer)
+        self.step_count += 1
+        return {"loss": loss, "grad_norm": grad_norm, **metrics}
+
+    def _update(self, x0, draws, lr, max_norm, ema_decay, metrics):
+        """The gradients of ``draws`` on ``x0`` and, when they are finite, the update: (loss, gradient norm);
+        ``NonFiniteLossError`` (nothing updated) when they are not (and no ``LossScaler`` skips the step)."""
+        mge.random.seed(draws.dropout_seed)
+        rows = pieces(len(x0), self.cfg.microbatch)
         if fast_conv_enabled():
             flat_update = self._flat_update()
             if self.native_step is not None and native.enabled():
@@ -187,19 +206,15 @@ class Trainer:
                 raise NonFiniteLossError.at(loss, grad_norm, self.step_count)
             flat_update.step(grad_norm, lr, max_norm, ema_decay)
             self._optimizer.clear_grad()
-        else:
-            self._release()
-            if self.scaler is not None:
-                metrics["loss_scale"] = self.scaler.scale
-            loss = self.engine_source(x0, draws, rows, self.scaler.scale if self.scaler else 1.0)
-            loss, grad_norm, applied = self.engine_update(loss, self.step_count, max_norm, ema_decay, self.scaler)
-            if self.scaler is not None:
-                metrics.update(update_skipped=not applied, skipped_updates=self.scaler.skipped)
-        if self.has_buffers:
-            for ema_buffer, buffer in zip(self._ema.buffers(), self._model.buffers()):
-                assign_(ema_buffer, buffer)
-        self.step_count += 1
-        return {"loss": loss, "grad_norm": grad_norm, **metrics}
+            return loss, grad_norm
+        self._release()
+        if self.scaler is not None:
+            metrics["loss_scale"] = self.scaler.scale
+        loss = self.engine_source(x0, draws, rows, self.scaler.scale if self.scaler else 1.0)
+        loss, grad_norm, applied = self.engine_update(loss, self.step_count, max_norm, ema_decay, self.scaler)
+        if self.scaler is not None:
+            metrics.update(update_skipped=not applied, skipped_updates=self.scaler.skipped)
+        return loss, grad_norm
 
 
 def check_logdir(cfg, images=None):
@@ -360,6 +375,10 @@ class TrainingRun:
         cfg, step = self.cfg, self.trainer.step_count
         if self.writes:
             self.logger.advance(metrics["loss"], metrics["images_per_s"])
+            if "recomputed_steps" in metrics:
+                self.logger.message(f"step {step}: the gradients came out non-finite, then finite when computed "
+                                    "again from the same weights and draws (a transient fault); training goes on "
+                                    f"({metrics['recomputed_steps']} such steps in this run)")
             if metrics.get("update_skipped"):
                 self.logger.message(f"step {step}: float16 gradients overflowed at loss scale "
                                     f"{metrics['loss_scale']:g}; update skipped, scale halved "
