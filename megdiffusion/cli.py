@@ -29,7 +29,8 @@ MAX_IMAGES = 2 ** 32
 # Bounds of the scripts' flags that are not ``TrainConfig`` fields (a flag named like a field takes the field's
 # bounds, ``config.field_bounds``), checked for every script when its flags are parsed (``parse_into``).
 SCRIPT_BOUNDS = {"num_images": {"min": 1, "max": MAX_IMAGES}, "num_reference": {"min": 2, "max": MAX_IMAGES},
-                 "images": {"min": 1}, "minutes": {"above": 0}, "kid_subsets": {"min": 1, "max": 10000},
+                 "images": {"min": 1, "max": MAX_IMAGES}, "minutes": {"above": 0, "max": 7 * 24 * 60},
+                 "kid_subsets": {"min": 1, "max": 10000},
                  "kid_subset_size": {"min": 2}, "workers": {"min": 0, "max": 256},
                  # guidance: 1 is none, papers use 1.5 to 10; far above, float32 overflows
                  "guidance": {"min": 1, "max": 100},
@@ -145,11 +146,26 @@ def parse_flags(argv):
         return parse_into(flags.FLAGS, argv)
 
 
-def check_flags_matter(flag_values, rules):
-    """``UsageError`` for a flag given on the command line that does nothing in the combination given: ``rules``
-    maps a flag's name to (whether it matters, given the flags; what it needs, as the user would write it)."""
+def given_on_command_line(flag_values, args=None):
+    """The names of the flags written on the command line (``args``, default ``sys.argv[1:]``), not through a
+    flagfile: a recipe may set what a command line may not ask for in vain."""
+    given = set()
+    for arg in sys.argv[1:] if args is None else args:
+        name = arg.lstrip("-").split("=", 1)[0] if arg.startswith("-") else ""
+        if name.startswith("no") and name not in flag_values and name[2:] in flag_values:
+            name = name[2:]
+        if name in flag_values:
+            given.add(name)
+    return given
+
+
+def check_flags_matter(flag_values, rules, given=None):
+    """``UsageError`` for a flag written on the command line (``given_on_command_line``, unless ``given``) that does
+    nothing in the combination given: ``rules`` maps a flag's name to (whether it matters, given the flags; what it
+    needs, as the user would write it)."""
+    given = given_on_command_line(flag_values) if given is None else given
     for name, (matters, needs) in rules.items():
-        if flag_values[name].present and not matters(flag_values):
+        if name in given and not matters(flag_values):
             raise UsageError(f"--{name} does nothing without {needs}; drop it, or add {needs}")
 
 

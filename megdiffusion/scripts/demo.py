@@ -22,8 +22,8 @@ from absl import app, flags
 
 from megdiffusion.cli import define_solver_flags
 from megdiffusion.compat import quiet_megengine
-from megdiffusion.diffusion.choices import SAMPLERS
-from megdiffusion.diffusion.solvers import sampler_label
+from megdiffusion.diffusion.choices import ANCESTRAL, SAMPLERS
+from megdiffusion.diffusion.solvers import DEFAULT_STEPS, sampler_label
 from megdiffusion.training.config import CPU_RECIPE
 from megdiffusion.fileio import copy_file, output_directory, save_npz, write_text
 from megdiffusion.metrics.kid_pr import NEIGHBOURS
@@ -31,6 +31,7 @@ from megdiffusion.metrics.scores import FEATURE_NETWORK
 
 FLAGS = flags.FLAGS
 DEFAULT_MINUTES = 10.0
+ANCESTRAL_STEPS = 100  # ddpm's and ddim's steps when --steps is not given: the demo's protocol (DDPM-100)
 flags.DEFINE_float("minutes", None, f"Training time budget in minutes (this run; default {DEFAULT_MINUTES}).")
 flags.DEFINE_integer("images", None, "Instead of --minutes: train this many images in this run (rounded up to "
                      "whole batches), however long that takes.")
@@ -45,7 +46,8 @@ flags.DEFINE_enum("sampler", None, SAMPLERS, "Sampler for the grid and FID sampl
                   "--sample_sampler).")
 # 100 steps: clearly better FID than 50 for a minute more of scoring; 200 gained nothing
 # (benchmarks/README.md, "Design choices measured").
-flags.DEFINE_integer("steps", 100, "Sampling steps for the grid and FID samples.")
+flags.DEFINE_integer("steps", None, f"Sampling steps for the grid and FID samples (default: {ANCESTRAL_STEPS} for "
+                     f"ddpm and ddim, the demo's protocol; the solvers' {DEFAULT_STEPS}).")
 define_solver_flags()
 flags.DEFINE_integer("batch_size", 100, "Sampling and Inception batch size.")
 # 2.5: the best of the weights tried on the recipe's checkpoints (benchmarks/README.md, "Design choices measured").
@@ -134,6 +136,8 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
         raise UsageError(f"--num_images {num_images} + --num_reference {num_reference} is more than the "
                          f"{len(images)} training images: the floor's real images must be apart from the reference")
     sampler = sampler or cfg.sample_sampler
+    if steps is None:
+        steps = ANCESTRAL_STEPS if sampler in ANCESTRAL else DEFAULT_STEPS
     check_sampler(build_diffusion(cfg), sampler, steps, spacing=spacing, order=order)  # before training, not after it
     check_training(cfg)  # before the demo's own files, not after them
     with output_directory(output, "--output", MARKER):

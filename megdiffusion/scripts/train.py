@@ -11,7 +11,7 @@ import sys
 
 from absl import app, flags
 
-from megdiffusion.cli import megengine_failures, one_line_errors, parse_flags, reject_arguments
+from megdiffusion.cli import check_flags_matter, megengine_failures, one_line_errors, parse_flags, reject_arguments
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.training import config, recipes
 from megdiffusion.training.config import define_flags
@@ -19,6 +19,14 @@ from megdiffusion.training.config import define_flags
 FLAGS = flags.FLAGS
 define_flags(FLAGS)
 flags.adopt_module_key_flags(config)  # so that --help lists the training flags
+
+_SAMPLING = (lambda f: f.sample_every > 0 or f.fid_every > 0, "--sample_every or --fid_every (what samples with it)")
+_FID = (lambda f: f.fid_every > 0, "--fid_every")
+_MACHINES = (lambda f: (f.world_size or f.num_gpus) > f.num_gpus, "--world_size above --num_gpus (several machines)")
+# What each flag needs to matter when written on the command line (``cli.check_flags_matter``).
+FLAG_NEEDS = {"sample_sampler": _SAMPLING, "sample_steps": _SAMPLING, "sample_spacing": _SAMPLING,
+              "sample_order": _SAMPLING, "sample_num": (lambda f: f.sample_every > 0, "--sample_every"),
+              "fid_num_images": _FID, "fid_metrics": _FID, "master_ip": _MACHINES, "rank_start": _MACHINES}
 
 
 def main(argv):
@@ -28,6 +36,7 @@ def main(argv):
     from megdiffusion.training.trainer import train
 
     with one_line_errors():
+        check_flags_matter(FLAGS, FLAG_NEEDS)
         cfg, images = config_from_flags(FLAGS)
         with megengine_failures("continue with the same command and --resume"):
             train(cfg, images)

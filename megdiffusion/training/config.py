@@ -57,13 +57,14 @@ class TrainConfig:
                          "megdiffusion.scripts.prepare (read by memory map; a --data_path to such a file is "
                          "recognised whatever --dataset says).", choices=DATASETS)
     data_path: Optional[str] = _flag(None, "Dataset location (directory or file); embedded data if unset.")
-    image_size: Optional[int] = _flag(None, "Image size; unset = the dataset's size (required for folder).", min=1)
+    image_size: Optional[int] = _flag(None, "Image size; unset = the dataset's size (required for folder).", min=1,
+                                      max=4096)
     random_flip: bool = _flag(True, "Random horizontal flips of training images.")
     image_channels: int = _flag(3, "Read from the dataset (1 gray, 3 RGB); not a flag.", flag=False)
     # Model (improved-diffusion's names)
-    model_channels: int = _flag(128, "UNet base channel count.", min=1)
+    model_channels: int = _flag(128, "UNet base channel count.", min=1, max=8192)
     channel_mult: Tuple[int, ...] = _flag((1, 2, 2, 2), "Channel multiplier per resolution level.")
-    num_res_blocks: int = _flag(2, "Residual blocks per resolution level.", min=1)
+    num_res_blocks: int = _flag(2, "Residual blocks per resolution level.", min=1, max=64)
     attention_resolutions: Tuple[int, ...] = _flag((16,), "Resolutions (pixels) with self-attention.")
     dropout: float = _flag(0.1, "Dropout rate in the residual blocks.", min=0, below=1)
     norm_groups: int = _flag(NORM_GROUPS, "GroupNorm groups (Ho: 32); small models need fewer, see the CPU recipe.")
@@ -76,12 +77,12 @@ class TrainConfig:
                                 "table, or improved-diffusion's [cos | sin].", choices=TIME_EMBEDDINGS)
     use_scale_shift_norm: bool = _flag(False, "Residual blocks apply the time embedding as a scale and shift of the "
                                        "second GroupNorm (improved-diffusion's AdaGN) instead of adding it.")
-    num_heads: int = _flag(1, "Heads of every attention block (Ho: 1; improved-diffusion: 4).", min=1)
+    num_heads: int = _flag(1, "Heads of every attention block (Ho: 1; improved-diffusion: 4).", min=1, max=1024)
     num_head_channels: int = _flag(0, "Channels per attention head, the head count following the width; 0: use "
                                    "--num_heads.", min=0)
     num_classes: int = _flag(0, "Class-conditional training on the dataset's labels with this many classes "
                              "(improved-diffusion's class_cond; Fashion-MNIST and CIFAR-10: 10); sampling then "
-                             "gives image i the class i mod num_classes. 0: unconditional.", min=0)
+                             "gives image i the class i mod num_classes. 0: unconditional.", min=0, max=100000)
     class_dropout: float = _flag(0.0, "Share of a class-conditional run's training images whose label is dropped "
                                  "(the network sees no class), so that the same network also predicts "
                                  "unconditionally: classifier-free guidance (Ho & Salimans 2022: 0.1-0.2).",
@@ -112,8 +113,8 @@ class TrainConfig:
     lr: float = _flag(2e-4, "Adam learning rate after warmup.", above=0)
     warmup_steps: int = _flag(5000, "Steps of linear learning-rate warmup: step n (from 0) "
                               "uses --lr * (n + 1) / warmup_steps; 0: the full rate from the first step.", min=0)
-    batch_size: int = _flag(128, "Global batch size, split evenly across all ranks.", min=1)
-    total_steps: int = _flag(800000, "Number of optimizer steps.", min=1)
+    batch_size: int = _flag(128, "Global batch size, split evenly across all ranks.", min=1, max=2 ** 20)
+    total_steps: int = _flag(800000, "Number of optimizer steps.", min=1, max=10 ** 9)
     grad_clip: float = _flag(1.0, "Clip the global gradient norm to this value; 0 disables.", min=0)
     ema_decay: float = _flag(0.9999, "Decay of the exponential moving average of the weights.", min=0, below=1)
     ema_warmup: bool = _flag(False, "Warm the EMA up: update n (from 0) decays by min(--ema_decay, "
@@ -123,7 +124,8 @@ class TrainConfig:
     # The step (how the update is computed: not part of the recipe)
     microbatch: int = _flag(0, "Cut each device's batch into micro-batches of this many samples and sum their "
                             "gradients: one update per step, equal to the whole batch's up to float32 rounding, in "
-                            "less memory (improved-diffusion's --microbatch). 0: the whole batch at once.", min=0)
+                            "less memory (improved-diffusion's --microbatch). 0: the whole batch at once.", min=0,
+                            max=2 ** 20)
     amp: bool = _flag(False, "Mixed precision on MegEngine's kernels (GPUs): the forward and the loss under "
                       "megengine.amp.autocast (float16 convolutions and linear layers), float32 weights, Adam and EMA, "
                       "dynamic loss scaling that skips an update whose gradients overflow.")
@@ -136,7 +138,7 @@ class TrainConfig:
     logdir: str = _flag("runs/train", "Directory for checkpoints, metrics, sample grids and flags.")
     log_every: int = _flag(10, "Write metrics every this many steps.", min=1)
     save_every: int = _flag(5000, "Save a checkpoint every this many steps (0: only at the end).", min=0)
-    keep_checkpoints: int = _flag(3, "How many of the newest checkpoints to keep.", min=1)
+    keep_checkpoints: int = _flag(3, "How many of the newest checkpoints to keep.", min=1, max=1000)
     sample_every: int = _flag(5000, "Save an EMA sample grid every this many steps (0: never).", min=0)
     sample_num: int = _flag(64, "Images in each sample grid.", min=1, max=4096)
     sample_sampler: str = _flag("ddim", "Sampler for the grids (and for --fid_every).", choices=SAMPLERS)
@@ -158,8 +160,9 @@ class TrainConfig:
                              "KID and precision/recall keep the reference's features in fid_reference.npz.")
     # Devices
     device: str = _flag("auto", "auto: a GPU when MegEngine sees one.", choices=("auto", "cpu", "gpu"))
-    num_gpus: int = _flag(1, "GPUs on this machine; more than 1 launches one process per GPU.", min=1)
-    world_size: Optional[int] = _flag(None, "Total processes over all machines; unset = num_gpus.", min=1)
+    num_gpus: int = _flag(1, "GPUs on this machine; more than 1 launches one process per GPU.", min=1, max=1024)
+    world_size: Optional[int] = _flag(None, "Total processes over all machines; unset = num_gpus.", min=1,
+                                      max=65536)
     rank_start: int = _flag(0, "Rank of this machine's first process (multi-machine).", min=0)
     master_ip: str = _flag("localhost", "Address of the machine running rank 0.")
     port: int = _flag(0, "Port of the distributed server (0: pick a free one; set it for multi-machine).",
