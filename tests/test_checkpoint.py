@@ -188,7 +188,7 @@ def test_stored_configs_and_weights_that_do_not_fit_are_one_line_errors(tiny_run
     [path] = ckpt.list_checkpoints(str(tmp_path / "run"))
     state = ckpt.load_checkpoint(path)
     model = sampling.load_model(path)[0]
-    for config, message in (({**state["config"], "image_size": -4}, "--image_size must be >= 1, got -4"),
+    for config, message in (({**state["config"], "image_size": -4}, "--image_size must be >= 1 and <= 4096, got -4"),
                             ({**state["config"], "lr": float("inf")}, "--lr must be a finite number, got inf"),
                             ([1, 2], "a list where a dict belongs")):
         with pytest.raises(ckpt.CheckpointError, match=f"^{path} holds an unusable config: {message}"):
