@@ -88,11 +88,16 @@ class _Slots:
     def __init__(self, path, depth, shape, perturbation, create):
         self.shape = shape
         self.parts = 3 if perturbation else 2
-        count = depth * self.parts * int(np.prod(shape))
+        count = self.nbytes(depth, shape, perturbation) // 4
         if create:
             with open(path, "wb") as f:
                 f.truncate(count * 4)
         self.array = np.memmap(path, np.float32, "r+", 0, (depth, self.parts) + tuple(shape))
+
+    @staticmethod
+    def nbytes(depth, shape, perturbation):
+        """The size of the file of ``depth`` slots of float32 arrays of ``shape``."""
+        return depth * (3 if perturbation else 2) * int(np.prod(shape)) * 4
 
     def views(self, slot):
         """(x0, noise, perturbation or None) of ``slot``."""
@@ -198,7 +203,7 @@ class StepFeed:
 
     def _start(self):
         context = multiprocessing.get_context("spawn")  # the trainer holds threads, maybe a CUDA context
-        directory = _slot_directory(self.depth * (3 if self.perturbation else 2) * 4 * int(np.prod(self.shape)))
+        directory = _slot_directory(_Slots.nbytes(self.depth, self.shape, self.perturbation))
         _remove_orphans(directory)
         fd, path = tempfile.mkstemp(dir=directory, prefix=f"{_PREFIX}{os.getpid()}-")
         os.close(fd)
