@@ -19,7 +19,8 @@ setup(
     # so `pip install` users can train and score with no download.
     package_data={"megdiffusion": ["configs/*.cfg", "data/assets/*.gz"]},
     include_package_data=True,
-    python_requires=">=3.8,<3.11",
+    # numba 0.61.2 and llvmlite 0.44 (below) start at CPython 3.10; MegEngine's wheels (1.13) stop at 3.10.
+    python_requires=">=3.10,<3.11",
     # oneDNN's JIT convolutions for CPU training (megdiffusion.cpu.onednn); elsewhere the numpy kernels run.
     install_requires=["megengine>=1.9", "numpy<2", "absl-py", "tqdm", "pillow", "threadpoolctl>=3",
                       "onednn-cpu-gomp==2023.2.0; sys_platform == 'linux' and platform_machine == 'x86_64'",

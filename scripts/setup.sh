@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or verify) the project's virtual environment in .venv on CPython 3.10.
-# MegEngine 1.13 ships wheels for CPython 3.10 only, and needs numpy<2.
+# MegEngine's wheels stop at CPython 3.10 and numba 0.61.2 starts there (setup.py); MegEngine needs numpy<2.
 # Idempotent: a second run only verifies that the environment imports.
 # PyPI's MegEngine is a CUDA 10.1 build (kernels for compute capability 5.2-7.5). MEGENGINE_WHEEL=<wheel file or URL>
 # or MEGENGINE_INDEX=<find-links page or directory, e.g. https://megengine.org.cn/whl/mge.html> installs that

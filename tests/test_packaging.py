@@ -40,7 +40,7 @@ def test_wheel_declares_entry_points_and_dependencies(wheel):
         assert f"megdiffusion-{name} = megdiffusion.scripts.{name}:run" in entry_points
     for requirement in ("megengine>=1.9", "numpy<2", "absl-py", "tqdm", "pillow", "numba==0.61.2"):
         assert f"Requires-Dist: {requirement}" in metadata
-    assert "Requires-Python: >=3.8,<3.11" in metadata
+    assert "Requires-Python: >=3.10,<3.11" in metadata
     # torch is only the bench extra (benchmarks/vs_pytorch.py), never a requirement of the package.
     torch_lines = [line for line in metadata.splitlines() if line.startswith("Requires-Dist: torch")]
     assert torch_lines == ['Requires-Dist: torch; extra == "bench"']
