@@ -1,6 +1,7 @@
 """Environment variables: one table, parsed the same way everywhere; a bad value is one error line before any work
 (issue 50, cause D)."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,10 +49,29 @@ def test_a_bad_value_is_one_error_line_in_every_command(tmp_path, name, text, me
 
 def test_every_variable_the_package_reads_is_in_the_table():
     """No ``os.environ`` read of a variable outside the table (writes, such as the demo's cache, are fine)."""
-    import re
-
     read = set()
     for path in (REPO / "megdiffusion").rglob("*.py"):
         read |= set(re.findall(r"environ(?:\.get)?\(\s*[\"']([A-Z_]+)[\"']", path.read_text()))
         read |= set(re.findall(r"[\"']([A-Z][A-Z_]+)[\"']\s+(?:not )?in os\.environ", path.read_text()))
     assert read <= set(environment.VARIABLES) | {"PYTHONPATH"}, read - set(environment.VARIABLES)
+
+
+def documented_variables():
+    """The variable names in the first column of docs/development.md's table of environment variables."""
+    section = (REPO / "docs" / "development.md").read_text().split("## Environment variables")[1].split("\n## ")[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    return {name for cell in rows for name in re.findall(r"`([A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+)", cell)}
+
+
+def test_every_variable_named_in_the_code_is_in_the_table_and_the_docs():
+    """A ``MEGDIFFUSION_*`` name in the package is in ``VARIABLES``; that table, and every such name the tests,
+    benchmarks and scripts use, has a row in docs/development.md."""
+    def named(folder, pattern="*.py"):
+        return {name for path in (REPO / folder).rglob(pattern)
+                for name in re.findall(r"MEGDIFFUSION_[A-Z0-9_]*[A-Z0-9]", path.read_text())}
+
+    in_package = named("megdiffusion")
+    assert in_package <= set(environment.VARIABLES), in_package - set(environment.VARIABLES)
+    elsewhere = named("tests") | named("benchmarks") | named("scripts", "*.sh")
+    missing = (set(environment.VARIABLES) | in_package | elsewhere) - documented_variables()
+    assert not missing, f"not in docs/development.md's table of environment variables: {sorted(missing)}"
