@@ -104,3 +104,17 @@ def test_readme_lists_the_guides_in_docs():
 ])
 def test_slugs_follow_github(heading, expected):
     assert slug(heading) == expected
+
+
+# A commit hash (7 to 40 hex digits, with a letter and a digit, not part of a path or a longer word) or an issue number.
+HISTORY = re.compile(r"(?<![\w/.-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w/-])"
+                     r"|\bissues? #?[0-9]+|(?<![\w&/])#[0-9]+\b", re.I)
+
+
+@pytest.mark.parametrize("path", markdown_files() + [ROOT / "benchmarks" / "README.md"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_docs_speak_of_the_code_not_of_its_history(path):
+    """No commit hashes or issue numbers in the documentation (git keeps them); code blocks included."""
+    found = [f"line {number}: {match.group()}" for number, line in enumerate(path.read_text().splitlines(), 1)
+             for match in HISTORY.finditer(line)]
+    assert not found, f"{path.relative_to(ROOT)}: " + "; ".join(found)
