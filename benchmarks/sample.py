@@ -16,7 +16,7 @@ mge = quiet_megengine()
 from megengine import jit  # noqa: E402
 
 from megdiffusion.training.config import CPU_RECIPE, build_diffusion, build_model  # noqa: E402
-from megdiffusion.cli import config_from_flagfile  # noqa: E402
+from megdiffusion.scripts.cli import config_from_flagfile  # noqa: E402
 
 
 def time_steps(fn, x, t, repeats):

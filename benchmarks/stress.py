@@ -53,7 +53,7 @@ def child(args):
     from megdiffusion.cpu import conv
     from megdiffusion.sampling.generation import generate_images
     from megdiffusion.training.config import CPU_RECIPE
-    from megdiffusion.cli import config_from_flagfile
+    from megdiffusion.scripts.cli import config_from_flagfile
     from megdiffusion.training.trainer import Trainer
 
     if args.threads:

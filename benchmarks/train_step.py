@@ -32,7 +32,7 @@ quiet_megengine()
 from megdiffusion.images import to_float  # noqa: E402
 from megdiffusion.cpu.conv import set_fast_conv  # noqa: E402
 from megdiffusion.training.config import CPU_RECIPE, TrainConfig  # noqa: E402
-from megdiffusion.cli import config_from_flagfile  # noqa: E402
+from megdiffusion.scripts.cli import config_from_flagfile  # noqa: E402
 from megdiffusion.training.trainer import Trainer  # noqa: E402
 
 

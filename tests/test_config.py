@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from absl import flags
 
-from megdiffusion import cli
+from megdiffusion.scripts import cli
 from megdiffusion.data.datasets import DATASETS
 from megdiffusion.diffusion.choices import LOSS_TYPES, MEAN_TYPES, SAMPLERS, VAR_TYPES
 from megdiffusion.diffusion.schedules import SCHEDULES
@@ -154,7 +154,7 @@ def test_every_field_is_checked_for_its_type_and_floats_must_be_finite(tiny_conf
 
 
 def test_a_flagfile_that_is_missing_or_holds_a_non_finite_number(tmp_path):
-    from megdiffusion.cli import UsageError
+    from megdiffusion.scripts.cli import UsageError
 
     with pytest.raises(UsageError, match="^Unable to open flagfile: .*nope.cfg"):
         cli.config_from_flagfile(tmp_path / "nope.cfg")

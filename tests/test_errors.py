@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import megdiffusion
-from megdiffusion.cli import UsageError, one_line_errors
+from megdiffusion.scripts.cli import UsageError, one_line_errors
 from megdiffusion.errors import MegdiffusionError
 
 
@@ -27,7 +27,7 @@ def test_every_error_class_derives_from_the_base():
 
 
 def test_the_base_and_the_handler_import_without_megengine():
-    code = "import sys, megdiffusion.errors, megdiffusion.cli; assert 'megengine' not in sys.modules"
+    code = "import sys, megdiffusion.errors, megdiffusion.scripts.cli; assert 'megengine' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -55,7 +55,7 @@ def test_the_error_line_is_one_line_after_the_progress_bars_are_erased(capsys):
     and blanks: a terminal then shows the error line alone)."""
     from tqdm import tqdm
 
-    from megdiffusion.cli import error_line, fail
+    from megdiffusion.scripts.cli import error_line, fail
 
     assert error_line("no checkpoint file at a\nb\t.pkl") == "error: no checkpoint file at a\\nb\\t.pkl"
     assert error_line(UsageError("--seed must be >= 0, got -1")) == "error: --seed must be >= 0, got -1"

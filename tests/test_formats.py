@@ -27,7 +27,7 @@ from megdiffusion.formats import convert, diffusers, names, networks, torch_arch
 from megdiffusion.formats.published import PUBLISHED  # noqa: E402
 from megdiffusion.training import checkpoint as ckpt  # noqa: E402
 from megdiffusion.training.config import TrainConfig, as_flag, build_model  # noqa: E402
-from megdiffusion.cli import config_from_flagfile  # noqa: E402
+from megdiffusion.scripts.cli import config_from_flagfile  # noqa: E402
 from megdiffusion.training.trainer import TrainingRun  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -285,7 +285,7 @@ def test_train_without_a_flagfile_reads_the_recipe_that_fits(tmp_path, argv, rec
 
 @pytest.mark.parametrize("recipe, size", [("own32.cfg", 32), ("own64.cfg", 64)])
 def test_the_own_data_recipes_validate_at_their_size(tmp_path, recipe, size):
-    from megdiffusion.cli import config_from_flagfile
+    from megdiffusion.scripts.cli import config_from_flagfile
     from megdiffusion.training.config import CONFIGS
 
     prepare(ArraySource(np.zeros((128, size, size, 3), np.uint8), None, "zeros"), tmp_path / "p.data", size,

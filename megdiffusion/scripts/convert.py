@@ -9,7 +9,7 @@ parameter and every parameter is filled, or nothing is written. Bad input: one `
 """
 from absl import app, flags
 
-from megdiffusion.cli import UsageError, megengine_failures, one_line_errors, parse_flags
+from megdiffusion.scripts.cli import UsageError, megengine_failures, one_line_errors, parse_flags
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import VAR_TYPES
 from megdiffusion.diffusion.schedules import SCHEDULES

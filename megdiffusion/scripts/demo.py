@@ -20,7 +20,7 @@ import time
 
 from absl import app, flags
 
-from megdiffusion.cli import define_solver_flags
+from megdiffusion.scripts.cli import define_solver_flags
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import ANCESTRAL, SAMPLERS
 from megdiffusion.diffusion.solvers import DEFAULT_STEPS, sampler_label
@@ -100,7 +100,7 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
     """Check everything, then (``output`` locked) train for ``minutes`` or ``train_images`` (this run), sample
     (guided by the model ``GUIDE_FRACTION`` of the way through the training when ``guidance`` > 1), draw grids
     and score; returns the summary dict (also written to summary.json)."""
-    from megdiffusion.cli import UsageError
+    from megdiffusion.scripts.cli import UsageError
     from megdiffusion.sampling.evaluate import model_scores, reference_statistics
     from megdiffusion.metrics.scores import METRICS, compare
     from megdiffusion.sampling.generation import Autoguidance
@@ -108,7 +108,7 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
     from megdiffusion.sampling.jobs import check_sampler, load_model
     from megdiffusion.training.checkpoint import list_checkpoints, load_latest
     from megdiffusion.training.config import build_diffusion
-    from megdiffusion.cli import config_from_flagfile
+    from megdiffusion.scripts.cli import config_from_flagfile
     from megdiffusion.training.trainer import check_training, train
 
     logdir = os.path.join(output, "train")
@@ -188,7 +188,7 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
 
 
 def main(argv):
-    from megdiffusion.cli import UsageError, megengine_failures, one_line_errors, reject_arguments
+    from megdiffusion.scripts.cli import UsageError, megengine_failures, one_line_errors, reject_arguments
 
     reject_arguments(argv)
     with one_line_errors(), megengine_failures("continue with scripts/demo.sh --resume"):
@@ -221,7 +221,7 @@ def main(argv):
 
 
 def run():
-    from megdiffusion.cli import parse_flags
+    from megdiffusion.scripts.cli import parse_flags
 
     app.run(main, flags_parser=parse_flags)
 

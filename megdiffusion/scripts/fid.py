@@ -14,7 +14,7 @@ import sys
 
 from absl import app, flags
 
-from megdiffusion.cli import (UsageError, check_flags_matter, define_guidance_flags, define_solver_flags,
+from megdiffusion.scripts.cli import (UsageError, check_flags_matter, define_guidance_flags, define_solver_flags,
                               megengine_failures, one_line_errors, parse_flags)
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import ANCESTRAL, SAMPLERS

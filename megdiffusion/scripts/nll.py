@@ -12,7 +12,7 @@ import math
 import numpy as np
 from absl import app, flags
 
-from megdiffusion.cli import UsageError, megengine_failures, one_line_errors, parse_flags
+from megdiffusion.scripts.cli import UsageError, megengine_failures, one_line_errors, parse_flags
 from megdiffusion.compat import quiet_megengine
 
 FLAGS = flags.FLAGS

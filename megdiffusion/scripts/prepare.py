@@ -13,7 +13,7 @@ import signal
 
 from absl import app, flags
 
-from megdiffusion.cli import UsageError, one_line_errors, parse_flags
+from megdiffusion.scripts.cli import UsageError, one_line_errors, parse_flags
 from megdiffusion.data.sources import ArraySource
 from megdiffusion.fileio import check_not_input
 

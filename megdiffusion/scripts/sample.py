@@ -10,7 +10,7 @@ A class-conditional model draws image i of class i mod its number of classes, or
 """
 from absl import app, flags
 
-from megdiffusion.cli import (UsageError, define_guidance_flags, define_solver_flags, megengine_failures,
+from megdiffusion.scripts.cli import (UsageError, define_guidance_flags, define_solver_flags, megengine_failures,
                               one_line_errors, parse_flags, reject_arguments)
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import SAMPLERS

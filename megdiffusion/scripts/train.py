@@ -11,7 +11,8 @@ import sys
 
 from absl import app, flags
 
-from megdiffusion.cli import check_flags_matter, megengine_failures, one_line_errors, parse_flags, reject_arguments
+from megdiffusion.scripts.cli import (check_flags_matter, megengine_failures, one_line_errors, parse_flags,
+                                      reject_arguments)
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.training import config, recipes
 from megdiffusion.training.config import define_flags
