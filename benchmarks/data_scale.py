@@ -8,7 +8,7 @@ larger set reusing the smaller one's files):
 2. one decode worker's rate on the streamed folder: ``load_dataset("folder", DIR, 256)`` indexed with batches of 64
    random indices for ``--decode_seconds`` in this process (what one ``--data_workers`` process can deliver);
 3. ``scripts.train`` with a tiny network at 256x256 (batch 8, 2 steps, ``--log_every=1``), one row per feed:
-   ``in-RAM folder (before)``: the code before the prepared file (b6d0ce8, a git worktree in ``--base_worktree``),
+   ``in-RAM folder (before)``: the code before the prepared file (``BASE_COMMIT``, a worktree in ``--base_worktree``),
    which decodes the whole folder into one array before the first step, 1 process; ``prepared file``: the memory
    map, 1 process and 2 (two runs started together on the same file, each its own logdir); ``streamed folder``: the
    folder decoded by the data workers as the steps need it, 1 process and 2. A row's time to first step runs from the

@@ -8,8 +8,8 @@ totals. Exit status 1 when any run failed.
 
 Factors, one at a time (each applies to every run of the invocation):
   --eval_numpy          sampling calls with numpy convolutions too (eval mode keeps MegEngine's forward,
-                        which is faster for sampling; this stresses the numpy forward as sampling used it
-                        before commit 54aad54)
+                        which is faster for sampling; this stresses the numpy forward as sampling once
+                        used it)
   --async_level N       megengine.config.async_level (2: MegEngine's default; 0: every op synchronous)
   --spin N|default|megengine
                         MGB_WORKER_MAX_SPIN: megdiffusion's cap (1000 on CPU-only machines), a number,

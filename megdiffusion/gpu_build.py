@@ -1,4 +1,4 @@
-"""Which MegEngine build fits the NVIDIA card here (issue 49): the decision, the card, the installed build.
+"""Which MegEngine build fits the NVIDIA card here: the decision, the card, the installed build.
 
 PyPI's only Linux MegEngine wheel (1.13.0) is a CUDA 10.1 build with cuDNN 7.6.3 linked in, compiled for compute
 capabilities 5.2, 6.0, 6.1, 7.0 and 7.5 plus PTX of 7.5; MegEngine's own wheel index

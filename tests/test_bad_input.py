@@ -1,4 +1,4 @@
-"""Bad input to train, sample, fid, nll, convert and the demo, tried as a hostile new user would (issue 17): every case
+"""Bad input to train, sample, fid, nll, convert and the demo, tried as a hostile new user would: every case
 ends with exit code 2, one ``error:`` line that names the problem, no traceback, and every file as it was
 (the case's directory, the shared files it reads, and an empty HOME)."""
 import hashlib
@@ -85,7 +85,7 @@ def shared(tmp_path_factory, tiny_config, tiny_images):
     (root / "afile.txt").write_text("keep me")
     shutil.copy(Path(__file__).parent / "fixtures" / "iddpm" / "unet_small.pt", root / "unet_small.pt")
 
-    # issue 39
+    # malformed files: statistics, arrays, labels, links, checkpoints, safetensors headers
     np.savez(root / "stats_10.npz", mu=np.zeros(10), sigma=np.eye(10))
     np.savez(root / "five_d.npz", arr_0=np.zeros((2, 2, 8, 8, 1), np.uint8))
     np.savez(root / "float_images.npz", arr_0=tiny_images(4).astype(np.float32))
@@ -97,12 +97,12 @@ def shared(tmp_path_factory, tiny_config, tiny_images):
         Path(checkpoint_path(str(root / "run"), 2)).read_bytes()[:100])
     (root / "huge_header.safetensors").write_bytes((2 ** 62).to_bytes(8, "little") + b'{"w": {}}')
 
-    # issue 47
+    # prepared data files
     prepare(ArraySource(tiny_images(12), None, "tiny"), root / "p8.data", 8, workers=0)
     (root / "truncated.data").write_bytes((root / "p8.data").read_bytes()[:-100])
     prepare(ArraySource(np.repeat(tiny_images(16), 3, axis=3), None, "tiny rgb"), root / "rgb8.data", 8, workers=0)
 
-    # issue 50
+    # sample directories of other settings, flagfiles (two GPUs, including themselves), a linked dataset
     for name, order in (("order3_out", 3), ("logsnr_out", None)):
         sampling.run_job(sampling.SampleJob(str(root / "run"), str(root / name), 2, sampler="unipc", steps=4,
                                             order=order, spacing="logsnr" if order is None else None,
@@ -113,7 +113,7 @@ def shared(tmp_path_factory, tiny_config, tiny_images):
     (root / "b.cfg").write_text("--flagfile=a.cfg\n")
     os.symlink("data.npz", root / "data_link.npz")
 
-    # issue 36 (compressed: an identity sigma of 2048 x 2048 is 32 MB)
+    # statistics without features (compressed: an identity sigma of 2048 x 2048 is 32 MB)
     np.savez_compressed(root / "stats_plain.npz", mu=np.zeros(2048), sigma=np.eye(2048))
     np.savez_compressed(root / "one_feature.npz", mu=np.zeros(2048), sigma=np.eye(2048),
                         features=np.zeros((1, 2048), np.float32))
@@ -131,7 +131,7 @@ DEMO = ["--output=out", "--minutes=0.01", "--num_images=4", "--num_reference=4",
 # (id, script, arguments, what the error line says). Later flags override earlier ones; {shared} is the shared
 # directory (its samples' manifests name the shared run). Ids marked "17:" are the cases issue 17 reported broken.
 CASES = [
-    # issue 50, cause A: a solver's steps bounded by the model's timesteps, in every command that samples
+    # a solver's steps bounded by the model's timesteps, in every command that samples
     ("50:euler-leading-over-T", "sample", [*SAMPLE, "--sampler=euler", "--spacing=leading", "--steps=41"],
      "--steps 41 is more than --spacing leading can place on this model's 40 timesteps without repeating a noise "
      "level: euler takes at most 40 steps there"),
@@ -217,7 +217,7 @@ CASES = [
      "OUT unet_small.pt is the input unet_small.pt itself"),
     ("prepare-over-its-source-through-a-link", "prepare", ["data.npz", "data_link.npz", "--overwrite"],
      "DEST data_link.npz is the input data.npz itself"),
-    # prepare (issue 47)
+    # prepare
     ("47:prepare-no-images", "prepare", ["empty", "out.data", "--image_size=8"], "no images (.png, .jpg"),
     ("47:prepare-corrupt-image", "prepare", ["images_broken", "out.data", "--image_size=8"],
      "cannot read image images_broken/a.png"),
@@ -244,7 +244,7 @@ CASES = [
     ("prepare-one-argument", "prepare", ["images"], "expected two arguments, SRC DEST; got 1"),
     ("prepare-npz-without-images", "prepare", ["mu_only.npz", "out.data"], "has no 'arr_0' array"),
     ("prepare-damaged-npz", "prepare", ["broken.npz", "out.data"], "cannot read broken.npz as an npz archive"),
-    # scoring against one's own data (issue 47)
+    # scoring against one's own data
     ("47:fid-floor-of-two-sources", "fid", ["--floor", "images", "images"],
      "--floor scores one image source against itself: give one PATH and no --save_stats; got 2 PATHs"),
     ("fid-floor-with-save-stats", "fid", ["--floor", "--save_stats", "images", "s.npz"],
@@ -256,7 +256,7 @@ CASES = [
     ("47:fid-prepared-at-another-size", "fid", ["--save_stats", "--image_size=16", "p8.data", "s.npz"],
      "p8.data holds 8x8 images, not --image_size 16"),
     ("fid-prepared-truncated", "fid", ["--save_stats", "truncated.data", "s.npz"], "is truncated or damaged"),
-    # training on prepared data (issue 47)
+    # training on prepared data
     ("47:prepared-truncated", "train", [*TRAIN, "--data_path=truncated.data"],
      "truncated.data is truncated or damaged"),
     ("47:prepared-other-resolution", "train", [*TRAIN, "--dataset=prepared", "--data_path=p8.data",

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 MAX_README_LINES = 250
-# The topics the guides cover (issue 38): each must be a page of docs/ that README lists.
+# The topics the guides cover: each must be a page of docs/ that README lists.
 GUIDES = ("training", "sampling", "evaluation", "published-models", "improved-ddpm", "cpu", "gpus", "development",
           "architecture")
 

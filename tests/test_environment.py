@@ -1,5 +1,5 @@
-"""Environment variables: one table, parsed the same way everywhere; a bad value is one error line before any work
-(issue 50, cause D)."""
+"""Environment variables: one table, parsed the same way everywhere; a bad value is one error line before any
+work."""
 import os
 import re
 import subprocess

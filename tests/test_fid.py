@@ -294,7 +294,7 @@ def test_cli_scores_kid_and_precision_recall_of_statistics_files_with_features(t
     assert sized.stdout.splitlines() == scores.score_lines(scores.compare(generated, real, ("kid",), 7, 10, 3))
 
 
-# --- one's own data (issue 47) ----------------------------------------------------------------------
+# --- one's own data ----------------------------------------------------------------------------------
 
 
 def test_num_images_of_a_dataset_is_a_seeded_random_subset():

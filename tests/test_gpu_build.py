@@ -1,4 +1,4 @@
-"""Which MegEngine build fits the card (issue 49, deliverable 1), decided on CPU with the capability given from
+"""Which MegEngine build fits the card, decided on CPU with the capability given from
 outside; setup.sh's MEGENGINE_WHEEL / MEGENGINE_INDEX checks (one ``error:`` line, exit 2, nothing written); the
 header gpu_check.sh prints. A fake ``nvidia-smi`` on PATH stands in for a card."""
 import os
