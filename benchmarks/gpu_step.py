@@ -40,6 +40,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megdiffusion.compat import cuda_available, quiet_megengine  # noqa: E402
+from megdiffusion.cpu.choice import cpu_engine_enabled  # noqa: E402
 
 mge = quiet_megengine()
 from megdiffusion.data.datasets import load_dataset  # noqa: E402
@@ -91,9 +92,8 @@ def run_row(args, name):
     images, cfg = images_and_config(args)
     cfg = cfg.replace(**options)
     select_device(cfg)
-    trainer = Trainer(cfg)
-    if args.source == "engine":
-        trainer.native_step = None  # MegEngine's autodiff (with the fast convolutions on a CPU), as on a GPU
+    # --source engine: MegEngine's autodiff (with the CPU convolutions on a CPU), as on a GPU
+    trainer = Trainer(cfg, engine="cpu_autodiff" if args.source == "engine" and cpu_engine_enabled() else None)
     loader = BatchLoader(images, cfg.batch_size, cfg.seed, random_flip=False)
     losses, seconds = [], []
     for step in range(args.warmup + args.steps):
@@ -110,8 +110,9 @@ def run_row(args, name):
     device_peak = mge.device.get_max_allocated_memory()
     if device_peak:
         result["peak_device_mb"] = round(device_peak / 2 ** 20, 1)
-    if trainer.native_step is not None and trainer.native_step.workers and trainer.native_step.workers.processes:
-        trainer.native_step.workers.close()  # a child's peak RSS is known once it has ended
+    native_step = getattr(trainer.engine, "native_step", None)
+    if native_step is not None and native_step.workers and native_step.workers.processes:
+        native_step.workers.close()  # a child's peak RSS is known once it has ended
         result["peak_worker_rss_mb"] = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)
     result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     return result

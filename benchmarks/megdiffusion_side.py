@@ -27,7 +27,7 @@ from megdiffusion.compat import quiet_megengine  # noqa: E402
 mge = quiet_megengine()
 from megdiffusion.cpu import native  # noqa: E402
 from megdiffusion.cpu import onednn  # noqa: E402
-from megdiffusion.cpu.conv import fast_conv_enabled  # noqa: E402
+from megdiffusion.cpu.choice import cpu_engine_enabled  # noqa: E402
 from megdiffusion.diffusion import solvers  # noqa: E402
 from megdiffusion.training.config import TrainConfig, build_diffusion, build_model  # noqa: E402
 from megdiffusion.training.trainer import Trainer  # noqa: E402
@@ -129,11 +129,13 @@ def check_outputs(work_dir, name, cfg, model):
     ddim = diffusion.sample(model, x.shape, sampler="ddim", steps=CHECK_DDIM_STEPS, seeds=seeds).numpy()
     step_cfg = cfg.replace(dropout=0.0, batch_size=2, warmup_steps=2)
     trainer = Trainer(step_cfg)
-    trainer.model.load_state_dict(weights)
-    trainer.ema.load_state_dict(weights)
+    with trainer.state() as state:
+        state.model.load_state_dict(weights)
+        state.ema.load_state_dict(weights)
     steps = [trainer.step(x) for _ in range(2)]
-    after = {f"model.{n}": v for n, v in weights_of(trainer.model).items()}
-    after.update((f"ema.{n}", v) for n, v in weights_of(trainer.ema).items())
+    with trainer.state() as state:
+        after = {f"model.{n}": v for n, v in weights_of(state.model).items()}
+        after.update((f"ema.{n}", v) for n, v in weights_of(state.ema).items())
     np.savez(os.path.join(work_dir, f"{name}_reference.npz"), x=x, t=t, y=y, ddim=ddim,
              **{f"init.{n}": v for n, v in weights.items()}, **after)
     return {"step_config": step_cfg.to_dict(), "betas": diffusion.betas.tolist(), "steps": steps,
@@ -143,7 +145,7 @@ def check_outputs(work_dir, name, cfg, model):
 def engine():
     """What ran megdiffusion's side: MegEngine's version, the convolution kernels, and whether the network runs
     outside MegEngine (``megdiffusion.cpu.native``)."""
-    return {"megengine": mge.__version__, "fast_conv": fast_conv_enabled(), "onednn": onednn.available(),
+    return {"megengine": mge.__version__, "cpu_engine": cpu_engine_enabled(), "onednn": onednn.available(),
             "native": native.enabled()}
 
 
@@ -151,8 +153,9 @@ def train(args):
     """Time ``Trainer.step`` from the prepared weights on the prepared batch."""
     cfg, x0, weights = read_prepared(args.work_dir, args.model)
     trainer = Trainer(cfg)
-    trainer.model.load_state_dict(weights)
-    trainer.ema.load_state_dict(weights)
+    with trainer.state() as state:
+        state.model.load_state_dict(weights)
+        state.ema.load_state_dict(weights)
     return measurement.training(args, "megdiffusion", lambda: trainer.step(x0), len(x0), engine())
 
 

@@ -74,8 +74,9 @@ def child(args):
             trainer.step(to_float(images[first:first + cfg.batch_size]))
             result["steps"] += 1
             if result["steps"] % args.sample_every == 0:
-                generate_images(trainer.ema, trainer.diffusion, cfg.image_shape, range(args.sample_batch), args.seed,
-                                "ddim", args.sample_steps, batch_size=args.sample_batch)
+                with trainer.state() as state:
+                    generate_images(state.ema, trainer.diffusion, cfg.image_shape, range(args.sample_batch),
+                                    args.seed, "ddim", args.sample_steps, batch_size=args.sample_batch)
                 result["sample_calls"] += 1
     except Exception as error:  # noqa: BLE001 -- the harness reports whatever MegEngine raised
         result["error"] = (megengine_error_cause(error) if is_megengine_error(error)

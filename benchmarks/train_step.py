@@ -1,7 +1,7 @@
 """Training-step throughput, native convolutions vs the fast numpy path, side by side in one process.
 
 Times ``Trainer.step`` (training loss, GradManager backward, gradient clipping, Adam, EMA; on the fast path
-the update too is numpy's, ``megdiffusion.training.flat_update``) on two models:
+the update too is numpy's, ``megdiffusion.cpu.flat_update``) on two models:
 
 - ``cpu``: the CPU recipe, configs/fashion_mnist_cpu.cfg (its model and batch size; 28x28 gray);
 - ``cifar``: a CIFAR-10-shaped small model (3x32x32, 64 channels, mult 1,2,2,2, attention at 16,
@@ -30,7 +30,7 @@ from megdiffusion.compat import quiet_megengine  # noqa: E402
 
 quiet_megengine()
 from megdiffusion.images import to_float  # noqa: E402
-from megdiffusion.cpu.conv import set_fast_conv  # noqa: E402
+from megdiffusion.cpu.choice import use_cpu_engine  # noqa: E402
 from megdiffusion.training.config import CPU_RECIPE, TrainConfig  # noqa: E402
 from megdiffusion.scripts.cli import config_from_flagfile  # noqa: E402
 from megdiffusion.training.trainer import Trainer  # noqa: E402
@@ -61,16 +61,17 @@ def measure(trainer, x0, steps):
 
 
 def run(name, cfg, x0, rounds, steps, paths):
-    trainer = Trainer(cfg)
-    for path in paths:  # warm-up of each path, not timed
-        set_fast_conv(path == "fast")
-        trainer.step(x0)
+    trainers = {}
+    for path in paths:  # one trainer per engine, from the same weights; a warm-up step each, not timed
+        use_cpu_engine(path == "fast")
+        trainers[path] = Trainer(cfg)
+        trainers[path].step(x0)
     rates = {path: [] for path in paths}
     cpu_seconds = {path: [] for path in paths}
     for round_index in range(rounds):
         for path in paths:
-            set_fast_conv(path == "fast")
-            seconds, cpu = measure(trainer, x0, steps)
+            use_cpu_engine(path == "fast")  # the convolutions choose at each call
+            seconds, cpu = measure(trainers[path], x0, steps)
             rates[path].append(steps * len(x0) / seconds)
             cpu_seconds[path].append(cpu / steps)
             print(json.dumps({"model": name, "path": path, "round": round_index, "steps": steps,

@@ -100,7 +100,7 @@ def summary(model, mode, rows):
     line["ratio"] = round(median["megdiffusion"]["images_per_s"] / median["torch"]["images_per_s"], 3)
     line.update({f"{side}_images_per_cpu_s": round(median[side]["images_per_cpu_s"], 3) for side in sides})
     line["cpu_ratio"] = round(median["megdiffusion"]["images_per_cpu_s"] / median["torch"]["images_per_cpu_s"], 3)
-    line.update({key: first["megdiffusion"][key] for key in ("megengine", "fast_conv", "onednn")})
+    line.update({key: first["megdiffusion"][key] for key in ("megengine", "cpu_engine", "onednn")})
     line.update(torch=first["torch"]["torch"], torch_threads=first["torch"]["threads"], cpus=first["torch"]["cpus"],
                 load=round(statistics.median(r["load"] for r in rows), 2))
     return line

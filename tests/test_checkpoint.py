@@ -113,15 +113,16 @@ def test_resume_refuses_a_different_model(tiny_run, tmp_path):
 def test_load_model_rebuilds_the_ema_network(tiny_run, tmp_path):
     run = tiny_run(tmp_path)
     run.run()
-    for ema in (True, False):
-        model, diffusion, cfg, step = sampling.load_model(str(tmp_path), ema=ema)
-        source = run.trainer.ema if ema else run.trainer.model
-        assert step == 4 and cfg == run.cfg and diffusion.num_timesteps == 40
-        assert not model.training
-        for (name, a), (_, b) in zip(model.named_parameters(), source.named_parameters()):
-            np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=name)
-    model, *_ = sampling.load_model(ckpt.checkpoint_path(str(tmp_path), 2))
-    assert not np.array_equal(next(model.parameters()).numpy(), next(run.trainer.ema.parameters()).numpy())
+    with run.trainer.state() as state:
+        for ema in (True, False):
+            model, diffusion, cfg, step = sampling.load_model(str(tmp_path), ema=ema)
+            source = state.ema if ema else state.model
+            assert step == 4 and cfg == run.cfg and diffusion.num_timesteps == 40
+            assert not model.training
+            for (name, a), (_, b) in zip(model.named_parameters(), source.named_parameters()):
+                np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=name)
+        model, *_ = sampling.load_model(ckpt.checkpoint_path(str(tmp_path), 2))
+        assert not np.array_equal(next(model.parameters()).numpy(), next(state.ema.parameters()).numpy())
     (tmp_path / "empty").mkdir()
     with pytest.raises(ckpt.CheckpointError, match="no checkpoints"):
         sampling.load_model(str(tmp_path / "empty"))

@@ -16,14 +16,16 @@ from megengine.autodiff import GradManager  # noqa: E402
 from megdiffusion.cpu import batch_threads  # noqa: E402
 from megdiffusion.cpu import conv as conv_module  # noqa: E402
 from megdiffusion.cpu import onednn  # noqa: E402
-from megdiffusion.cpu.conv import Conv2d, fast_conv_enabled, set_fast_conv  # noqa: E402
+from megdiffusion.cpu import choice  # noqa: E402
+from megdiffusion.cpu.choice import cpu_engine_enabled, use_cpu_engine  # noqa: E402
+from megdiffusion.cpu.conv import Conv2d  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def restore_setting():
-    saved = conv_module._setting, conv_module._auto
+    saved = choice._setting, choice._auto
     yield
-    conv_module._setting, conv_module._auto = saved
+    choice._setting, choice._auto = saved
 
 
 @pytest.fixture(params=["numpy", "onednn"])
@@ -58,7 +60,7 @@ def assert_close(actual, expected, rtol=1e-5):
 
 def forward_backward(conv, x, dy, fast):
     """Output, input gradient and parameter gradients of ``conv`` for output gradient ``dy``."""
-    set_fast_conv(fast)
+    use_cpu_engine(fast)
     inp = megengine.Parameter(x)
     gm = GradManager().attach([inp] + list(conv.parameters()))
     with gm:
@@ -158,9 +160,9 @@ def test_traced_gradient_steps_use_native_kernels(symbolic):
 
     rng = np.random.default_rng(6)
     inputs = [megengine.tensor(rng.standard_normal((2, 2, 6, 6)).astype("float32")) for _ in range(3)]
-    set_fast_conv(False)
+    use_cpu_engine(False)
     expected = [weight_grad(x).numpy() for x in inputs]
-    set_fast_conv(True)
+    use_cpu_engine(True)
     traced = jit.trace(weight_grad, symbolic=symbolic)
     for x, native in zip(inputs, expected):
         np.testing.assert_array_equal(traced(x).numpy(), native)
@@ -173,13 +175,13 @@ def test_switching_takes_effect_on_next_forward(weight_grad_calls, monkeypatch):
     for fast in (True, False, True, False):
         forward_backward(conv, x, dy, fast=fast)
     assert len(weight_grad_calls) == 2
-    monkeypatch.setattr(conv_module, "cuda_available", lambda: False)
-    conv_module._auto = None
-    set_fast_conv(None)
-    assert fast_conv_enabled()
-    monkeypatch.setattr(conv_module, "cuda_available", lambda: True)
-    conv_module._auto = None
-    assert not fast_conv_enabled()  # auto: native kernels when CUDA is there
+    monkeypatch.setattr(choice, "cuda_available", lambda: False)
+    choice._auto = None
+    use_cpu_engine(None)
+    assert cpu_engine_enabled()
+    monkeypatch.setattr(choice, "cuda_available", lambda: True)
+    choice._auto = None
+    assert not cpu_engine_enabled()  # auto: native kernels when CUDA is there
     forward_backward(conv, x, dy, fast=None)
     assert len(weight_grad_calls) == 2
 
@@ -188,13 +190,13 @@ def test_environment_variable_and_bad_values(monkeypatch):
     from megdiffusion import environment
 
     for value, expected in (("1", True), ("yes", True), ("0", False), ("off", False), ("", None), ("auto", None)):
-        monkeypatch.setenv(conv_module.ENV_VAR, value)
-        assert environment.read(conv_module.ENV_VAR, "unset") is expected
-    monkeypatch.setenv(conv_module.ENV_VAR, "maybe")
+        monkeypatch.setenv(choice.ENV_VAR, value)
+        assert environment.read(choice.ENV_VAR, "unset") is expected
+    monkeypatch.setenv(choice.ENV_VAR, "maybe")
     with pytest.raises(environment.EnvironmentVariableError, match="MEGDIFFUSION_FAST_CONV='maybe' must be 1/0"):
         environment.check()
     with pytest.raises(ValueError, match="True, False or None"):
-        set_fast_conv("1")
+        use_cpu_engine("1")
 
 
 def test_state_dict_interchangeable_with_native_module():
@@ -208,7 +210,7 @@ def test_state_dict_interchangeable_with_native_module():
     buffer.seek(0)
     fast = Conv2d(3, 5, 3, stride=2, padding=1)
     fast.load_state_dict(megengine.load(buffer))
-    set_fast_conv(True)  # no GradManager: the forward alone, as when sampling
+    use_cpu_engine(True)  # no GradManager: the forward alone, as when sampling
     assert_close(fast(x).numpy(), native(x).numpy())
     assert list(fast.state_dict()) == list(native.state_dict())
     back = M.Conv2d(3, 5, 3, stride=2, padding=1)
@@ -228,7 +230,7 @@ def test_eval_mode_forward(kernel, monkeypatch, cpu_kernel):
     fast, native = Conv2d(3, 4, kernel, padding=kernel // 2), M.Conv2d(3, 4, kernel, padding=kernel // 2)
     native.load_state_dict(fast.state_dict())
     x = megengine.tensor(rng.standard_normal((5, 3, 6, 6)).astype("float32"))
-    set_fast_conv(True)
+    use_cpu_engine(True)
     fast.eval()
     y_eval = fast(x).numpy()
     if cpu_kernel == "onednn" and kernel > 1:
@@ -258,7 +260,7 @@ class TwoConvNet(M.Module):
 
 def train_two_steps(fast):
     """Parameters after two GradManager + clip_grad_norm + Adam steps on a fixed batch."""
-    set_fast_conv(fast)
+    use_cpu_engine(fast)
     megengine.random.seed(0)
     net = TwoConvNet()
     rng = np.random.default_rng(5)

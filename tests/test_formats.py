@@ -420,9 +420,10 @@ def test_init_from_starts_a_run_from_the_weights(converted_checkpoint, tmp_path)
                           sample_every=0, save_every=0, warmup_steps=0)
     run = TrainingRun(run_cfg, _images(cfg), progress=False)
     assert run.initialise() == 0 and run.trainer.step_count == 0
-    for model in (run.trainer.model, run.trainer.ema):
-        for name, value in model.state_dict().items():
-            np.testing.assert_array_equal(value, weights[name], err_msg=name)
+    with run.trainer.state() as state:
+        for model in (state.model, state.ema):
+            for name, value in model.state_dict().items():
+                np.testing.assert_array_equal(value, weights[name], err_msg=name)
     assert run.run() == 1
     trained = ckpt.load_checkpoint(ckpt.checkpoint_path(run_cfg.logdir, 1))
     assert trained["config"]["init_from"] == str(path) and trained["optimizer"] is not None

@@ -27,7 +27,7 @@ from megdiffusion.diffusion import GaussianDiffusion, make_beta_schedule  # noqa
 from megdiffusion.diffusion import losses  # noqa: E402
 from megdiffusion.diffusion.spacing import space_timesteps  # noqa: E402
 from megdiffusion.formats import convert, names  # noqa: E402
-from megdiffusion.cpu import conv  # noqa: E402
+from megdiffusion.cpu import choice  # noqa: E402
 from megdiffusion.nn.layers import timestep_embedding  # noqa: E402
 from megdiffusion.training.config import build_model  # noqa: E402
 
@@ -279,7 +279,7 @@ def test_each_wrong_convention_misses_the_reference(converted, change):
 
 @pytest.mark.parametrize("fast_conv", [True, False], ids=["fast_conv", "native_conv"])
 def test_the_end_to_end_respaced_hybrid_loss_and_its_gradients(converted, fast_conv, monkeypatch):
-    monkeypatch.setattr(conv, "_setting", fast_conv)
+    monkeypatch.setattr(choice, "_setting", fast_conv)
     cfg, weights, theirs_to_ours = converted
     steps, count = int(ref("e2e.steps", "io")), int(ref("e2e.num_timesteps", "io"))
     base = GaussianDiffusion(make_beta_schedule("cosine", steps), var_type="learned_range", loss_type="hybrid",

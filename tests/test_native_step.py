@@ -10,13 +10,13 @@ import pytest
 
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.cpu import numpy_unet, onednn
-from megdiffusion.cpu.conv import fast_conv_enabled, set_fast_conv
+from megdiffusion.cpu.choice import cpu_engine_enabled, use_cpu_engine
 from megdiffusion.nn.layers import timestep_embedding
 from megdiffusion.nn.options import NO_CLASS
 from megdiffusion.nn.unet import UNet
 from megdiffusion.cpu import native
-from megdiffusion.training import trainer as trainer_module
 from megdiffusion.training.config import build_diffusion, build_model
+from megdiffusion.training.engine import choose_engine
 from megdiffusion.cpu.group_workers import GroupWorkers, WorkerError
 from megdiffusion.training.trainer import Trainer
 
@@ -45,22 +45,15 @@ def randomised(model, seed=0):
 
 def megengine_gradients(params, loss):
     """The gradients of ``loss()`` with respect to ``params`` by MegEngine's autodiff and native kernels."""
-    previous = fast_conv_enabled()
-    set_fast_conv(False)
+    previous = cpu_engine_enabled()
+    use_cpu_engine(False)
     try:
         grad_manager = GradManager().attach(params)
         with grad_manager:
             grad_manager.backward(loss())
         return [p.grad.numpy() for p in params]
     finally:
-        set_fast_conv(previous)
-
-
-@pytest.fixture
-def fast_path(monkeypatch):
-    """The fast CPU path for ``Trainer`` and ``native``, also under ``MEGDIFFUSION_FAST_CONV=0``."""
-    monkeypatch.setattr(trainer_module, "fast_conv_enabled", lambda: True)
-    monkeypatch.setattr(native, "fast_conv_enabled", lambda: True)
+        use_cpu_engine(previous)
 
 
 def assert_gradients_close(got, expected):
@@ -143,8 +136,9 @@ def test_native_loss_and_gradients_are_training_losses(tiny_config, loss):
 
 
 def full_state(trainer):
-    state = trainer.optimizer.state_dict()["state"]
-    arrays = [p.numpy() for p in trainer.model.parameters()] + [p.numpy() for p in trainer.ema.parameters()]
+    with trainer.state() as modules:
+        state = modules.optimizer.state_dict()["state"]
+        arrays = [p.numpy() for p in modules.model.parameters()] + [p.numpy() for p in modules.ema.parameters()]
     return arrays + [state[i][key] for i in sorted(state) for key in ("exp_avg", "exp_avg_sq")]
 
 
@@ -155,19 +149,18 @@ def batch(seed, n=16):
 @pytest.mark.parametrize("changes", [dict(), dict(input_perturbation=0.1), dict(num_classes=3),
                                      dict(num_classes=3, class_dropout=0.5)],
                          ids=["recipe", "input-perturbation", "class-conditional", "class-dropout"])
-def test_native_steps_are_megengine_steps(tiny_config, fast_path, changes):
+def test_native_steps_are_megengine_steps(tiny_config, changes):
     """Three Trainer steps of batch 16 through the numpy pass and through MegEngine's autodiff (both with the numpy
     update): the same losses, gradient norms and weights up to float32 rounding, with input perturbation and class
     labels (the class embedding's rows learn only from their own labels) too, some of them dropped (the network
     sees NO_CLASS for about that share of them, and the given class for the others)."""
     cfg = tiny_config(batch_size=16, channel_mult=(1, 2), attention_resolutions=(4,), norm_groups=4, lr=1e-3,
                       **changes)
-    numpy_run, autodiff = Trainer(cfg), Trainer(cfg)
-    autodiff.native_step = None
-    assert numpy_run.native_step is not None
+    numpy_run, autodiff = Trainer(cfg, engine="numpy"), Trainer(cfg, engine="cpu_autodiff")
     seen = []
-    native_pass = numpy_run.native_step.loss_and_gradients
-    numpy_run.native_step.loss_and_gradients = lambda *args, **kw: (seen.append(args[-1]), native_pass(*args, **kw))[1]
+    native_step = numpy_run.engine.native_step
+    native_pass = native_step.loss_and_gradients
+    native_step.loss_and_gradients = lambda *args, **kw: (seen.append(args[-1]), native_pass(*args, **kw))[1]
     labels = (np.arange(16) % 2).astype(np.int32) if cfg.num_classes else None  # class 2 is never seen
     if cfg.num_classes:
         unseen = numpy_run.model.class_emb.weight.numpy()[2]
@@ -185,40 +178,40 @@ def test_native_steps_are_megengine_steps(tiny_config, fast_path, changes):
         dropped = seen == NO_CLASS
         np.testing.assert_array_equal(seen[~dropped], np.tile(labels, 3)[~dropped])
         assert 0.5 - 0.25 < dropped.mean() < 0.5 + 0.25 if cfg.class_dropout else not dropped.any()
-    numpy_run.native_step.workers.close()
+    numpy_run.engine.native_step.workers.close()
 
 
-def test_native_steps_do_not_depend_on_the_number_of_processes(tiny_config, monkeypatch, fast_path):
+def test_native_steps_do_not_depend_on_the_number_of_processes(tiny_config, monkeypatch):
     """Three groups of 8 on one, two and three processes, with dropout: the same run, bit for bit."""
     states = []
     for cores in (1, 2, 3):
         monkeypatch.setattr(native, "THREADS", cores)
-        trainer = Trainer(tiny_config(batch_size=24, dropout=0.3))
+        trainer = Trainer(tiny_config(batch_size=24, dropout=0.3), engine="numpy")
         for k in range(2):
             trainer.step(batch(k, 24))
-        assert len(trainer.native_step.workers.processes) == cores - 1
+        assert len(trainer.engine.native_step.workers.processes) == cores - 1
         states.append(full_state(trainer))
-        trainer.native_step.workers.close()
+        trainer.engine.native_step.workers.close()
     for other in states[1:]:
         for a, b in zip(states[0], other):
             np.testing.assert_array_equal(a, b)
 
 
-def test_a_dead_worker_is_one_clear_error(tiny_config, monkeypatch, fast_path):
+def test_a_dead_worker_is_one_clear_error(tiny_config, monkeypatch):
     monkeypatch.setattr(native, "THREADS", 2)
-    trainer = Trainer(tiny_config(batch_size=16))
+    trainer = Trainer(tiny_config(batch_size=16), engine="numpy")
     trainer.step(batch(0))
-    [process] = trainer.native_step.workers.processes
+    [process] = trainer.engine.native_step.workers.processes
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
     with pytest.raises(WorkerError, match=rf"pid {process.pid}\) died, exit code -9"):
         trainer.step(batch(1))
 
 
-def test_an_error_in_a_worker_is_raised_by_the_caller(tiny_config, monkeypatch, fast_path):
+def test_an_error_in_a_worker_is_raised_by_the_caller(tiny_config, monkeypatch):
     monkeypatch.setattr(native, "THREADS", 2)
-    trainer = Trainer(tiny_config(batch_size=16))
-    step = trainer.native_step
+    trainer = Trainer(tiny_config(batch_size=16), engine="numpy")
+    step = trainer.engine.native_step
     flat = np.concatenate([p.numpy().reshape(-1) for p in trainer.model.parameters()])
     x_t = batch(0)
     t = np.zeros(16, np.int32)
@@ -232,11 +225,17 @@ def test_an_error_in_a_worker_is_raised_by_the_caller(tiny_config, monkeypatch, 
 
 @pytest.mark.parametrize("change", [dict(var_type="learned_range", loss_type="hybrid"),
                                     dict(use_scale_shift_norm=True), dict(mean_type="xprev")])
-def test_setups_the_numpy_pass_does_not_implement_train_through_megengine(tiny_config, change):
-    trainer = Trainer(tiny_config(**change))
-    assert trainer.native_step is None
-    assert Trainer(tiny_config(), world_size=1).native_step is not None
-    assert native.unsupported(trainer._model, trainer.diffusion, world_size=2) is not None
+def test_setups_the_numpy_pass_does_not_implement_train_through_megengine_autodiff(tiny_config, change):
+    previous = cpu_engine_enabled()
+    use_cpu_engine(True)
+    try:
+        for cfg, world_size, expected in ((tiny_config(**change), 1, "cpu_autodiff"), (tiny_config(), 1, "numpy"),
+                                          (tiny_config(), 2, "cpu_autodiff")):
+            assert choose_engine(build_model(cfg), build_diffusion(cfg), world_size) == expected
+        use_cpu_engine(False)
+        assert choose_engine(build_model(tiny_config()), build_diffusion(tiny_config()), 1) == "megengine"
+    finally:
+        use_cpu_engine(previous)
 
 
 def test_dropout_keeps_each_value_with_probability_one_minus_the_rate_and_scales_it():
@@ -250,11 +249,11 @@ def test_dropout_keeps_each_value_with_probability_one_minus_the_rate_and_scales
     assert numpy_unet._Layers([], [], None).dropout(0.25, x)[0] is x  # eval mode: none
 
 
-def test_dropout_masks_come_from_the_step_seed(tiny_config, fast_path):
+def test_dropout_masks_come_from_the_step_seed(tiny_config):
     """With dropout, a native run is deterministic given the seed, and the masks change the gradients."""
     norms = []
     for dropout in (0.3, 0.3, 0.0):
-        trainer = Trainer(tiny_config(dropout=dropout))
+        trainer = Trainer(tiny_config(dropout=dropout), engine="numpy")
         norms.append([trainer.step(batch(k, 8))["grad_norm"] for k in range(2)])
     assert norms[0] == norms[1] and norms[0][0] != norms[2][0] and norms[0][1] != norms[2][1]
 

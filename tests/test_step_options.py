@@ -10,18 +10,16 @@ import numpy as np
 import pytest
 
 from megdiffusion import sampling
-from megdiffusion.cpu import native
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.cpu import onednn
-from megdiffusion.cpu.conv import fast_conv_enabled, set_fast_conv
+from megdiffusion.cpu.choice import cpu_engine_enabled, use_cpu_engine
 from megdiffusion.nn.layers import AttnBlock
 from megdiffusion.training import checkpoint as ckpt
-from megdiffusion.training import trainer as trainer_module
 from megdiffusion.training.config import ConfigError, validate
 from megdiffusion.training.draws import PER_RANK, PER_SAMPLE, draw_step, first_sample
-from megdiffusion.training.step_parts import LossScaler, pieces
+from megdiffusion.training.engine import LossScaler, pieces
 from megdiffusion.training.trainer import Trainer, TrainingRun
-from test_training import fixed_loss, full_state, state_by_kind, toy_batch
+from test_training import adam_state, fixed_loss, full_state, state_by_kind, toy_batch
 
 mge = quiet_megengine()
 from megengine.amp import autocast  # noqa: E402
@@ -30,25 +28,23 @@ from megengine.amp import autocast  # noqa: E402
 @pytest.fixture
 def engine_kernels():
     """MegEngine's own kernels for the whole step, as on a GPU (``MEGDIFFUSION_FAST_CONV=0``)."""
-    previous = fast_conv_enabled()
-    set_fast_conv(False)
+    previous = cpu_engine_enabled()
+    use_cpu_engine(False)
     yield
-    set_fast_conv(previous)
+    use_cpu_engine(previous)
 
 
-@pytest.fixture(params=["megengine", "numpy-pass"])
-def cpu_path(request, monkeypatch):
-    """Both CPU paths: MegEngine's autodiff and kernels, and the numpy pass with the flat update."""
+@pytest.fixture(params=["megengine", "numpy"])
+def cpu_path(request):
+    """Both ends: MegEngine's autodiff, kernels and update, and the CPU engine's numpy pass and flat update."""
     if request.param == "megengine":
-        previous = fast_conv_enabled()
-        set_fast_conv(False)
+        previous = cpu_engine_enabled()
+        use_cpu_engine(False)
         yield request.param
-        set_fast_conv(previous)
+        use_cpu_engine(previous)
         return
     if not onednn.available():
         pytest.skip("the numpy pass needs oneDNN")
-    monkeypatch.setattr(trainer_module, "fast_conv_enabled", lambda: True)
-    monkeypatch.setattr(native, "fast_conv_enabled", lambda: True)
     yield request.param
 
 
@@ -77,7 +73,7 @@ def test_amp_runs_convolutions_in_float16_and_keeps_norms_loss_and_gradients_in_
     assert dtypes["GroupNorm"] == {"float32"}
     assert metrics["loss_scale"] == LossScaler().scale and not metrics["update_skipped"]
     assert all(p.dtype == np.float32 for p in trainer.model.parameters())
-    state = trainer.optimizer.state_dict()["state"]
+    state = adam_state(trainer)
     assert all(state[i]["exp_avg"].dtype == np.float32 for i in state)
 
 
@@ -144,7 +140,7 @@ def test_an_overflow_skips_exactly_that_update_halves_the_scale_and_is_logged(ti
     skipped = [json.loads(line)["update_skipped"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert skipped == [False, True, False]
     assert trainer.scaler.skipped == 1 and trainer.step_count == 3
-    assert float(trainer.optimizer.state_dict()["state"][0]["step"]) == 2  # two updates were applied
+    assert float(adam_state(trainer)[0]["step"]) == 2  # two updates were applied
     assert "step 2: float16 gradients overflowed at loss scale 1.09951e+12; update skipped" in capsys.readouterr().err
 
 
@@ -176,7 +172,8 @@ def test_amp_resumes_bit_for_bit_across_a_skip(tiny_config, tiny_images, engine_
     model, _, loaded_cfg, step = sampling.load_model(str(tmp_path))
     assert loaded_cfg.amp and step == 3
     x, t = mge.tensor(toy_batch(2)), mge.tensor(np.array([5, 30], np.int32))
-    np.testing.assert_array_equal(model(x, t).numpy(), first.trainer.ema(x, t).numpy())
+    with first.trainer.state() as state:
+        np.testing.assert_array_equal(model(x, t).numpy(), state.ema(x, t).numpy())
 
 
 def test_loss_scaler_grows_after_clean_steps_and_backs_off():
@@ -239,9 +236,9 @@ def simulated_ranks_step(trainers, x0):
         trainer.first_index = first_sample(len(x0), n, rank)
         part = x0[rank * shard:(rank + 1) * shard]
         draws = trainer.draws(part.shape)
-        losses.append(float(trainer.engine_source(part, draws, pieces(shard, 0)).numpy()))
-        gradients.append([p.grad.numpy() for p in trainer.params])
-        trainer.optimizer.clear_grad()
+        losses.append(float(trainer.engine.source(part, draws, pieces(shard, 0)).numpy()))
+        gradients.append([p.grad.numpy() for p in trainer.engine.params])
+        trainer.engine.discard()
     return float(np.mean(losses)), [np.mean(g, axis=0) for g in zip(*gradients)]
 
 
@@ -252,11 +249,11 @@ def test_n_ranks_one_rank_in_microbatches_and_the_whole_batch_compute_the_same_g
     cfg = tiny_config(batch_size=8, channel_mult=(1, 2), attention_resolutions=(4,))
     x0 = toy_batch(8, seed=3)
     whole = Trainer(cfg)
-    whole_loss = float(whole.engine_source(x0, whole.draws(x0.shape), pieces(8, 0)).numpy())
-    expected = [p.grad.numpy() for p in whole.params]
+    whole_loss = float(whole.engine.source(x0, whole.draws(x0.shape), pieces(8, 0)).numpy())
+    expected = [p.grad.numpy() for p in whole.engine.params]
     micro = Trainer(cfg.replace(microbatch=2))
-    micro_loss = float(micro.engine_source(x0, micro.draws(x0.shape), pieces(8, 2)).numpy())
-    results = [(micro_loss, [p.grad.numpy() for p in micro.params])]
+    micro_loss = float(micro.engine.source(x0, micro.draws(x0.shape), pieces(8, 2)).numpy())
+    results = [(micro_loss, [p.grad.numpy() for p in micro.engine.params])]
     results += [simulated_ranks_step([Trainer(cfg) for _ in range(n)], x0) for n in (2, 4)]
     scale = max(np.abs(g).max() for g in expected)
     for loss, gradients in results:
@@ -272,7 +269,8 @@ def test_microbatched_steps_are_whole_batch_steps(tiny_config, cpu_path, changes
     numpy pass works in groups of 8) against the whole batch: the same losses and weights to float32 rounding."""
     cfg = tiny_config(batch_size=16, lr=1e-3, grad_clip=0.5, **changes)
     labels = (np.arange(16) % 3).astype(np.int32) if cfg.num_classes else None
-    runs = {m: Trainer(cfg.replace(microbatch=m)) for m in ((0, 8, 4) if cpu_path == "megengine" else (0, 8))}
+    runs = {m: Trainer(cfg.replace(microbatch=m), engine=cpu_path)
+            for m in ((0, 8, 4) if cpu_path == "megengine" else (0, 8))}
     losses = {m: [run.step(toy_batch(16, seed=k), labels)["loss"] for k in range(3)] for m, run in runs.items()}
     for m, run in runs.items():
         np.testing.assert_allclose(losses[m], losses[0], rtol=1e-5)
@@ -280,12 +278,10 @@ def test_microbatched_steps_are_whole_batch_steps(tiny_config, cpu_path, changes
 
 
 @pytest.mark.skipif(not onednn.available(), reason="the numpy pass needs oneDNN")
-def test_numpy_pass_dropout_masks_are_the_same_for_any_cut_into_groups_of_8(tiny_config, monkeypatch):
+def test_numpy_pass_dropout_masks_are_the_same_for_any_cut_into_groups_of_8(tiny_config):
     """(On MegEngine's path the micro-batches draw dropout's masks in turn: they follow the cut.)"""
-    monkeypatch.setattr(trainer_module, "fast_conv_enabled", lambda: True)
-    monkeypatch.setattr(native, "fast_conv_enabled", lambda: True)
     cfg = tiny_config(batch_size=16, dropout=0.3)
-    whole, micro = Trainer(cfg), Trainer(cfg.replace(microbatch=8))
+    whole, micro = Trainer(cfg, engine="numpy"), Trainer(cfg.replace(microbatch=8), engine="numpy")
     for k in range(2):
         assert micro.step(toy_batch(16, seed=k))["loss"] == pytest.approx(whole.step(toy_batch(16, seed=k))["loss"],
                                                                           rel=1e-6)
@@ -338,14 +334,14 @@ def test_a_traced_runs_checkpoint_resumes_eagerly_and_back(tiny_config, tiny_ima
 
 # Options where they cannot work
 
-def test_step_options_refused_where_they_cannot_work(tiny_config, monkeypatch):
+def test_step_options_refused_where_they_cannot_work(tiny_config):
     with pytest.raises(ConfigError, match="--microbatch 3 does not divide the per-device batch of 8"):
         validate(tiny_config(microbatch=3))
     with pytest.raises(ConfigError, match="--trace needs --dropout 0"):
         validate(tiny_config(trace=True, dropout=0.1))
-    monkeypatch.setattr(trainer_module, "fast_conv_enabled", lambda: True)
-    with pytest.raises(ConfigError, match="^--amp and --trace run on MegEngine's own kernels, which this machine's"):
-        Trainer(tiny_config(amp=True, trace=True))
+    for engine in ("numpy", "cpu_autodiff"):
+        with pytest.raises(ConfigError, match="^--amp and --trace run on MegEngine's own kernels, which this machin"):
+            Trainer(tiny_config(amp=True, trace=True), engine=engine)
 
 
 def test_the_gpu_benchmark_runs_every_row_and_its_losses_agree():

@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import megdiffusion_side  # noqa: E402
 import vs_pytorch  # noqa: E402
 
-from megdiffusion.training.config import TrainConfig, build_diffusion  # noqa: E402
+from megdiffusion.training.config import TrainConfig, build_diffusion, build_model  # noqa: E402
 from megdiffusion.training.trainer import Trainer  # noqa: E402
 
 # Two levels (a downsample) and attention at 4x4: every layer kind of the UNet, on 8x8 images.
@@ -44,10 +44,10 @@ def test_megdiffusion_side_writes_what_the_twin_reads_and_times_the_real_step(tm
     assert [s["lr"] for s in entry["steps"]] == [5e-4, 1e-3]  # the check's warmup over 2 steps
     ref = np.load(tmp_path / "tiny_reference.npz")
     init = {k[len("init."):]: ref[k] for k in ref.files if k.startswith("init.")}
-    trainer = Trainer(TrainConfig.from_dict(entry["step_config"]))
-    trainer.model.load_state_dict(init)
-    trainer.model.eval()
-    y = trainer.model(megdiffusion_side.mge.tensor(ref["x"]), megdiffusion_side.mge.tensor(ref["t"])).numpy()
+    model = build_model(TrainConfig.from_dict(entry["step_config"]))
+    model.load_state_dict(init)
+    model.eval()
+    y = model(megdiffusion_side.mge.tensor(ref["x"]), megdiffusion_side.mge.tensor(ref["t"])).numpy()
     np.testing.assert_allclose(y, ref["y"], rtol=1e-5, atol=1e-6 * np.abs(y).max())
     assert np.abs(y).max() > 0.5  # randomised weights: the output is not the init's near-zero
     moved = max(np.abs(ref[f"model.{k}"] - init[k]).max() for k in init)
@@ -56,7 +56,8 @@ def test_megdiffusion_side_writes_what_the_twin_reads_and_times_the_real_step(tm
     args = argparse.Namespace(work_dir=tmp_path, model="tiny", round=0, warmup=0, steps=2)
     row = megdiffusion_side.train(args)
     reference_trainer = Trainer(cfg)
-    reference_trainer.model.load_state_dict(weights)
+    with reference_trainer.state() as state:
+        state.model.load_state_dict(weights)
     losses = [reference_trainer.step(x0)["loss"] for _ in range(2)]
     assert row["images"] == 8 and row["images_per_s"] > 0 and row["loss"] == round(losses[-1], 6)
     args = argparse.Namespace(work_dir=tmp_path, model="tiny", round=0, batch=3, sample_steps=2, sampler="ddim")

@@ -26,10 +26,9 @@ is unusable due to previous error"): a race inside MegEngine between ``Tensor.nu
 on the DTR candidate list, which ``import megdiffusion`` keeps empty
 (``megdiffusion.compat.empty_dtr_candidates``).
 
-The path is chosen per forward call: ``set_fast_conv(True/False/None)``; ``None`` (auto) means fast
-on CPU-only machines and MegEngine's native kernels when CUDA is available (cuDNN is fine).
-The environment variable ``MEGDIFFUSION_FAST_CONV=0/1`` sets the default at import
-(``MEGDIFFUSION_ONEDNN=0`` keeps the numpy kernels).
+The path is chosen per forward call: with the CPU engine (``choice.cpu_engine_enabled()``; on CPU-only machines
+unless ``MEGDIFFUSION_FAST_CONV=0``) the fast one, else MegEngine's native kernels (``MEGDIFFUSION_ONEDNN=0`` keeps
+the numpy kernels).
 Only float32 inputs with dilation 1, groups 1, zero padding and cross-correlation take the fast
 path, and never inside ``megengine.jit.trace``; everything else uses the native kernels.
 Parameters and checkpoints are those of ``megengine.module.Conv2d`` on both paths.
@@ -44,39 +43,11 @@ from megengine.autodiff import Function
 from megengine.jit.tracing import is_tracing
 
 from megdiffusion.cpu.batch_threads import for_batch_chunks
-from megdiffusion.compat import cuda_available
+from megdiffusion.cpu.choice import cpu_engine_enabled
 from megdiffusion.cpu import onednn
-from megdiffusion import environment
 
-ENV_VAR = "MEGDIFFUSION_FAST_CONV"
 # Upper bound on one im2col buffer (floats); a batch chunk holds fewer samples when needed.
 _MAX_COLS = 1 << 24
-
-
-_setting = environment.read(ENV_VAR, None)  # None: auto
-_auto = None  # cached answer of the auto rule (probing CUDA costs time)
-
-
-def set_fast_conv(enabled):
-    """Choose the ``Conv2d`` route from the next forward call on (a backward follows its forward).
-
-    ``True``: numpy forward and backward (fast on CPU); ``False``: MegEngine's native kernels;
-    ``None``: auto, i.e. numpy unless CUDA is available.
-    """
-    global _setting
-    if enabled not in (True, False, None):
-        raise ValueError(f"set_fast_conv expects True, False or None (auto); got {enabled!r}")
-    _setting = enabled
-
-
-def fast_conv_enabled():
-    """Whether the next forward call of a ``Conv2d`` takes the fast path (for supported configs)."""
-    global _auto
-    if _setting is not None:
-        return _setting
-    if _auto is None:
-        _auto = not cuda_available()
-    return _auto
 
 
 def _windows(x_padded, kernel, stride, out_hw):
@@ -205,7 +176,7 @@ class _FastConv2d(Function):
 
 class Conv2d(M.Conv2d):
     """Drop-in ``megengine.module.Conv2d`` (same parameters and checkpoint format) that takes the fast
-    numpy route when ``fast_conv_enabled()`` and the configuration allows it."""
+    numpy route with the CPU engine (``choice.cpu_engine_enabled()``) and the configuration allows it."""
 
     def _fast_path_supported(self, inp):
         return (inp.dtype == np.float32 and self.groups == 1 and tuple(self.dilation) == (1, 1)
@@ -214,7 +185,7 @@ class Conv2d(M.Conv2d):
 
     def forward(self, inp):
         # jit.trace cannot record a Function computed outside MegEngine: traced code uses native kernels.
-        if is_tracing() or not (fast_conv_enabled() and self._fast_path_supported(inp)):
+        if is_tracing() or not (cpu_engine_enabled() and self._fast_path_supported(inp)):
             return self.calc_conv(inp, self.weight, self.bias)
         on_onednn = onednn.available() and tuple(self.kernel_size) != (1, 1)
         if not (self.training or on_onednn):  # eval mode: see the module docstring

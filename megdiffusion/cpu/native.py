@@ -1,4 +1,4 @@
-"""The UNet outside MegEngine on the fast CPU path: training steps (``NativeStep``, in ``Trainer.step``) and
+"""The UNet outside MegEngine, the CPU engine: training steps (``NativeStep``, in ``training.engine``) and
 eval-mode calls (``NativeModel``, in ``generation.generate_images``).
 
 The batch is cut into fixed groups of ``GROUP`` samples; each group's pass (``cpu.numpy_unet``) runs in the calling
@@ -15,8 +15,7 @@ from megdiffusion.cpu.batch_threads import THREADS
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.cpu.group_workers import GroupWorkers
 from megdiffusion.cpu import fused, numpy_unet
-from megdiffusion.cpu.conv import fast_conv_enabled
-from megdiffusion.nn.layers import timestep_embedding
+from megdiffusion.cpu.choice import cpu_engine_enabled
 from megdiffusion import environment
 
 mge = quiet_megengine()
@@ -26,9 +25,9 @@ ENV_VAR = "MEGDIFFUSION_NATIVE_STEP"
 
 
 def enabled():
-    """Whether the next call may run here: the fast CPU path (``cpu.conv.fast_conv_enabled``), and
+    """Whether the next call may run here: the CPU engine (``choice.cpu_engine_enabled``), and
     ``MEGDIFFUSION_NATIVE_STEP`` is not 0."""
-    return fast_conv_enabled() and environment.read(ENV_VAR, True)
+    return cpu_engine_enabled() and environment.read(ENV_VAR, True)
 
 
 def unsupported(model, diffusion, world_size):
@@ -62,6 +61,7 @@ class NativeStep:
 
     def __init__(self, model, diffusion, params):
         self.model = numpy_unet.describe(model, params)
+        self.timestep_input = model.timestep_input
         fused.note_if_missing()
         self.diffusion = diffusion
         self.shapes = [tuple(p.shape) for p in params]
@@ -83,8 +83,7 @@ class NativeStep:
         x_t = signal * x0 + noise_scale * (noise if perturbation is None else noise + perturbation)
         mean_type = self.diffusion.mean_type
         target = noise if mean_type == "eps" else x0 if mean_type == "xstart" else signal * noise - noise_scale * x0
-        temb_in = timestep_embedding(self.diffusion.model_timesteps(t), self.model.model_channels,
-                                     self.model.time_embedding).numpy()
+        temb_in = self.timestep_input(self.diffusion.model_timesteps(t)).numpy()
         groups = [(x_t[p], target[p], coef["mse_weight"][p], temb_in[p], _part(labels, p), [dropout_seed, g])
                   for g, p in enumerate(_groups(len(x0)), start=first_group)]
         if self.workers is None:
@@ -97,6 +96,21 @@ class NativeStep:
         return sum(loss for loss, _ in results) / batch_size, gradient
 
 
+    def batch_gradients(self, flat_weights, x0, draws, rows):
+        """(the batch's mean loss, its flat gradient) at ``flat_weights`` for the batch ``x0`` with its draws (a
+        ``training.draws.StepDraws``), computed in the micro-batches ``rows`` (slices), summed in order."""
+        loss, gradient, first_group = 0.0, None, 0
+        for piece in rows:
+            part = draws.piece(piece)
+            piece_loss, piece_gradient = self.loss_and_gradients(
+                flat_weights, x0[piece], part.t, part.noise, draws.dropout_seed, part.perturbation, part.labels,
+                batch_size=len(x0), first_group=first_group)
+            first_group += -(-len(part.t) // GROUP)  # dropout groups numbered through the batch
+            loss += piece_loss
+            gradient = piece_gradient if gradient is None else np.add(gradient, piece_gradient, out=gradient)
+        return loss, gradient
+
+
 class NativeModel:
     """``model`` (a ``UNet``) in eval mode, called like it (``native_model(x, t[, y])``, MegEngine tensors in and
     out) and computed by ``cpu.numpy_unet``, with the weights ``model`` had when this was made. ``for_sampling`` says
@@ -105,6 +119,7 @@ class NativeModel:
     def __init__(self, model):
         params = list(model.parameters())
         self.model = numpy_unet.describe(model, params)
+        self.timestep_input = model.timestep_input
         fused.note_if_missing()
         self.shapes = [tuple(p.shape) for p in params]
         self.weights = np.concatenate([p.numpy().reshape(-1) for p in params])
@@ -112,17 +127,15 @@ class NativeModel:
 
     @staticmethod
     def for_sampling(model):
-        """A ``NativeModel`` of ``model`` where it runs (a UNet, on the fast CPU path), else ``model`` itself."""
-        from megdiffusion.nn.unet import UNet
-
-        if not (isinstance(model, UNet) and enabled()):
+        """A ``NativeModel`` of ``model`` (a ``UNet``) where it runs (with the CPU engine), else ``model`` itself."""
+        if not enabled():
             return model
         native = NativeModel(model)
         return model if numpy_unet.unsupported(native.model) else native
 
     def __call__(self, x, t, y=None):
         x = x.numpy()
-        temb_in = timestep_embedding(t, self.model.model_channels, self.model.time_embedding).numpy()
+        temb_in = self.timestep_input(t).numpy()
         labels = None if y is None else y.numpy()
         groups = [(x[p], temb_in[p], _part(labels, p)) for p in _groups(len(x))]
         if self.workers is None:

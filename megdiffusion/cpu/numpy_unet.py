@@ -21,7 +21,6 @@ import types
 import numpy as np
 
 from megdiffusion.cpu import fused, onednn
-from megdiffusion.nn.options import NO_CLASS
 
 
 def describe(module, params):
@@ -128,9 +127,9 @@ class _Layers:
 
         return y, backward
 
-    def embedding(self, module, labels):
-        """Rows ``labels`` of ``module``'s (an Embedding) table; zeros for the label ``NO_CLASS``."""
-        known = labels != NO_CLASS
+    def embedding(self, module, labels, no_class):
+        """Rows ``labels`` of ``module``'s (an Embedding) table; zeros for the label ``no_class``."""
+        known = labels != no_class
 
         def backward(dy):
             np.add.at(self.grads[module.weight], labels[known], dy[known])
@@ -319,7 +318,7 @@ def unet_forward(model, weights, grads, x, temb_in, labels=None, rng=None, prepa
         raise ValueError("class labels go with a class-conditional network, and only with one")
     class_back = None
     if model.class_emb is not None:
-        class_temb, class_back = layers.embedding(model.class_emb, labels)
+        class_temb, class_back = layers.embedding(model.class_emb, labels, model.no_class)
         temb = temb + class_temb
     temb_act, temb_back = layers.silu(temb)
     blocks = []  # (backward of a residual block, backward of its attention or None)

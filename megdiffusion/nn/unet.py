@@ -174,6 +174,7 @@ class UNet(M.Module):
         self.model_channels = model_channels
         self.image_size = image_size
         self.time_embedding = time_embedding
+        self.no_class = NO_CLASS  # the label that adds no class embedding, for readers of the module tree (cpu/)
         norm = functools.partial(group_norm, groups=norm_groups, eps=norm_eps)
         block = functools.partial(ResBlock, dropout=dropout, norm=norm, scale_shift=use_scale_shift_norm)
 
@@ -228,10 +229,13 @@ class UNet(M.Module):
         self.num_classes = num_classes
         self.class_emb = M.Embedding(num_classes, temb_channels) if num_classes else None
 
+    def timestep_input(self, t):
+        """The sinusoidal embedding (N, model_channels) of timesteps t (N,), the time embedding's input."""
+        return timestep_embedding(t, self.model_channels, self.time_embedding)
+
     def embed_time(self, t):
         """The time embedding (N, 4 * model_channels) of timesteps t (N,), integer or fractional."""
-        temb = timestep_embedding(t, self.model_channels, self.time_embedding)
-        return self.temb_dense1(silu(self.temb_dense0(temb)))
+        return self.temb_dense1(silu(self.temb_dense0(self.timestep_input(t))))
 
     def encode(self, x, temb):
         """The down path and the middle block: (the middle block's output, every output the up path takes,

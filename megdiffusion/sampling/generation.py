@@ -26,6 +26,7 @@ from megdiffusion.errors import MegdiffusionError
 from megdiffusion.images import to_uint8
 from megdiffusion.cpu.native import NativeModel
 from megdiffusion.nn.options import NO_CLASS
+from megdiffusion.nn.unet import UNet
 
 
 @dataclass(frozen=True)
@@ -141,9 +142,10 @@ def check_class_label(class_label, num_classes):
 
 
 def _network(model, stack):
-    """``model`` as sampling calls it (``NativeModel.for_sampling``), in eval mode, closed when ``stack`` ends."""
+    """``model`` as sampling calls it (a UNet: ``NativeModel.for_sampling``), in eval mode, closed when ``stack``
+    ends."""
     stack.enter_context(eval_mode(model))
-    network = NativeModel.for_sampling(model)
+    network = NativeModel.for_sampling(model) if isinstance(model, UNet) else model
     if network is not model:
         stack.callback(network.close)
     return network

@@ -186,10 +186,11 @@ def differences(stored, cfg, names):
 def snapshot(trainer, loader, data=None):
     """The checkpoint dict of a run: ``trainer`` (a ``Trainer``), its ``BatchLoader`` (or ``StepFeed``) and what it
     trains on (``data``: ``datasets.dataset_identity``)."""
-    return {"step": trainer.step_count, "config": trainer.cfg.to_dict(), "model": trainer.model.state_dict(),
-            "data": data, "ema": trainer.ema.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-            "loader": loader.state_dict(), "rng": {"seed": trainer.cfg.seed, "scheme": trainer.draw_scheme},
-            "loss_scale": None if trainer.scaler is None else trainer.scaler.state_dict()}
+    with trainer.state() as state:
+        return {"step": trainer.step_count, "config": trainer.cfg.to_dict(), "model": state.model.state_dict(),
+                "data": data, "ema": state.ema.state_dict(), "optimizer": state.optimizer.state_dict(),
+                "loader": loader.state_dict(), "rng": {"seed": trainer.cfg.seed, "scheme": trainer.draw_scheme},
+                "loss_scale": None if trainer.scaler is None else trainer.scaler.state_dict()}
 
 
 def weights_snapshot(cfg, weights, source):
@@ -217,8 +218,9 @@ def load_init(cfg):
 def initialise(state, path, trainer):
     """Start ``trainer`` from the model and EMA weights of checkpoint dict ``state`` (read from ``path``; its
     optimizer stays new)."""
-    load_weights(trainer.model, state["model"], path)
-    load_weights(trainer.ema, state["ema"], path)
+    with trainer.state() as modules:
+        load_weights(modules.model, state["model"], path)
+        load_weights(modules.ema, state["ema"], path)
 
 
 def check_recipe(state, path, cfg):
@@ -261,15 +263,25 @@ def draw_scheme_of(state):
 def restore(state, path, trainer, loader):
     """Load checkpoint dict ``state`` (read from ``path``) into ``trainer`` and ``loader`` (``check_recipe`` first)."""
     check_recipe(state, path, trainer.cfg)
-    load_weights(trainer.model, state["model"], path)
-    load_weights(trainer.ema, state["ema"], path)
+    with trainer.state() as modules:
+        load_weights(modules.model, state["model"], path)
+        load_weights(modules.ema, state["ema"], path)
+        try:
+            modules.optimizer.load_state_dict(state["optimizer"])
+        except (AssertionError, AttributeError, IndexError, KeyError, TypeError, ValueError) as err:
+            raise damaged(path, err) from None
     try:
-        trainer.optimizer.load_state_dict(state["optimizer"])
         trainer.step_count = int(state["step"])
         loader.load_state_dict(state["loader"])
         trainer.draw_scheme = draw_scheme_of(state)
         if trainer.scaler is not None and state.get("loss_scale") is not None:
             trainer.scaler.load_state_dict(state["loss_scale"])  # else a new scale: --amp is turned on here
     except (AssertionError, AttributeError, IndexError, KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{path}: its optimizer, step, data position or random-draw scheme is damaged "
-                              f"({type(err).__name__}: {one_line(err)})") from None
+        raise damaged(path, err) from None
+
+
+def damaged(path, err):
+    """The ``CheckpointError`` of a checkpoint whose optimizer state, step, data position or draw scheme fails to
+    load with ``err``."""
+    return CheckpointError(f"{path}: its optimizer, step, data position or random-draw scheme is damaged "
+                           f"({type(err).__name__}: {one_line(err)})")

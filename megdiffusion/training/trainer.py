@@ -5,33 +5,28 @@ the samples' place in the global batch) (``draws``), the data order a function o
 therefore only needs the step count, the loader position and the name of the draw scheme to continue bit for bit.
 """
 import functools
+import math
 import os
 import signal
 import time
 
 import numpy as np
 
-from megdiffusion.cpu import native
-from megdiffusion.compat import EngineFailure, assign_, is_megengine_error, megengine_error_cause, quiet_megengine
+from megdiffusion.compat import EngineFailure, is_megengine_error, megengine_error_cause, quiet_megengine
 from megdiffusion.data.datasets import dataset_identity, describe_dataset, load_dataset, load_labels
 from megdiffusion.data.loader import BatchLoader
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import output_directory
 from megdiffusion.images import save_png
-from megdiffusion.cpu.conv import fast_conv_enabled
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
 from megdiffusion.training.config import ConfigError, TrainConfig, build_diffusion, build_model
 from megdiffusion.training.draws import PER_SAMPLE, draw_step, first_sample
 from megdiffusion.training.feed import StepFeed
-from megdiffusion.training.flat_update import FlatUpdate
 from megdiffusion.training.outputs import RUN_MARKER, RunLogger, grid_path, sample_grid, write_run_files
-from megdiffusion.training.step_parts import EngineSource, EngineUpdate, LossScaler, NonFiniteLossError, \
-    native_gradients, pieces
+from megdiffusion.training.engine import LossScaler, NonFiniteLossError, check_step_options, make_engine, pieces
 
 mge = quiet_megengine()
-from megengine.autodiff import GradManager  # noqa: E402
-from megengine.optimizer import Adam  # noqa: E402
 
 
 def warmup_lr(cfg, step):
@@ -49,93 +44,36 @@ def ema_decay_at(cfg, updates):
     return cfg.ema_decay
 
 
-def check_step_options(cfg):
-    """``ConfigError`` (one line) for ``--amp`` or ``--trace`` where the step would not run on MegEngine's kernels:
-    the fast CPU path computes convolutions outside MegEngine, in float32, eagerly."""
-    wanted = [flag for flag, on in (("--amp", cfg.amp), ("--trace", cfg.trace)) if on]
-    if wanted and fast_conv_enabled():
-        raise ConfigError(f"{' and '.join(wanted)} run{'s' if len(wanted) == 1 else ''} on MegEngine's own kernels, "
-                          "which this machine's fast CPU path replaces; train on a GPU, or set "
-                          "MEGDIFFUSION_FAST_CONV=0 to use MegEngine's (slow) CPU kernels")
-
-
 class Trainer:
-    """Model, EMA copy, diffusion, Adam and the step count; ``step(x0)`` does one optimizer update.
+    """The network, its EMA copy, the diffusion, the step count and the engine (``engine.make_engine``, chosen once:
+    the CPU engine or MegEngine's), which owns the weights, the EMA and Adam's state; ``step(x0)`` does one update.
 
-    A step is a source of the loss and gradients, then one update (``step_parts``):
-
-    - the fast CPU path (``megdiffusion.cpu.conv.fast_conv_enabled()``): the numpy pass (``native_step``, through
-      ``step_parts.native_gradients``; where ``native.unsupported`` names no reason, e.g. not for a learned variance)
-      or else MegEngine's autodiff with the fast convolutions (``EngineSource``), then clipping, Adam and the EMA in
-      numpy on flat buffers (``flat_update.FlatUpdate``) that hold the weights, the EMA weights and Adam's state
-      between steps. Reading ``model``, ``ema`` or ``optimizer`` writes that state back into these MegEngine
-      objects first, which then hold it (they may be read or changed, e.g. by ``checkpoint.restore``) until the
-      next fast step takes it from them again: read them afresh after each step rather than keep a reference;
-    - MegEngine's kernels (GPUs, or ``MEGDIFFUSION_FAST_CONV=0``): ``EngineSource`` (eager or traced, float32 or
-      mixed precision) then ``EngineUpdate`` on the device, with ``scaler`` (a ``LossScaler``) under ``--amp``.
+    ``model`` holds the current weights after every step; the EMA and Adam's state are handed over by ``state()``.
     """
 
-    def __init__(self, config: TrainConfig, world_size=1, rank=0):
-        check_step_options(config)
+    def __init__(self, config: TrainConfig, world_size=1, rank=0, engine=None):
         self.cfg = config
         self.world_size = world_size
         self.rank = rank
         self.first_index = first_sample(config.batch_size, world_size, rank)
         self.draw_scheme = PER_SAMPLE  # a resumed run takes its checkpoint's (``checkpoint.restore``)
         mge.random.seed(config.seed)  # identical initial weights for a given seed
-        self._model = build_model(config)
+        self.model = build_model(config)
         if world_size > 1:
-            distributed.broadcast_from_rank0(self._model)
-        self._ema = build_model(config)
-        self._ema.load_state_dict(self._model.state_dict())
-        self._ema.eval()
+            distributed.broadcast_from_rank0(self.model)
+        ema = build_model(config)
+        ema.load_state_dict(self.model.state_dict())
+        ema.eval()
         self.diffusion = build_diffusion(config)
-        self.params = list(self._model.parameters())
-        # The UNet has none; listing them at every step walks the module tree.
-        self.has_buffers = any(True for _ in self._model.buffers())
-        self.grad_manager = GradManager().attach(
-            self.params, callbacks=distributed.allreduce_mean_callbacks(world_size))
-        self._optimizer = Adam(self.params, lr=config.lr)
-        self._flat = None  # the FlatUpdate holding the EMA and Adam's state, between fast steps
+        self.engine = make_engine(config, self.model, ema, self.diffusion, world_size, engine)
         self.scaler = LossScaler() if config.amp else None
-        self.engine_source = EngineSource(self._model, self.diffusion, self.params, self.grad_manager,
-                                          amp=config.amp, traced=config.trace)
-        self.engine_update = EngineUpdate(self.params, list(self._ema.parameters()), self._optimizer)
-        # The whole step in numpy on the fast path (``megdiffusion.cpu.native``), where it implements the setup.
-        supported = native.unsupported(self._model, self.diffusion, world_size) is None
-        self.native_step = native.NativeStep(self._model, self.diffusion, self.params) if supported else None
         self.step_count = 0
         self.recomputed_steps = 0  # steps whose gradients came out non-finite once, then finite (``step``)
 
-    @property
-    def model(self):
-        """The network being trained (a ``UNet``)."""
-        self._release()
-        return self._model
-
-    @property
-    def ema(self):
-        """The moving average of the network's weights (a ``UNet`` in eval mode)."""
-        self._release()
-        return self._ema
-
-    @property
-    def optimizer(self):
-        """MegEngine's ``Adam`` over ``params``."""
-        self._release()
-        return self._optimizer
-
-    def _flat_update(self):
-        """The ``FlatUpdate`` of the fast path, built from the MegEngine objects' state when there is none."""
-        if self._flat is None:
-            self._flat = FlatUpdate(self.params, list(self._ema.parameters()), self._optimizer)
-        return self._flat
-
-    def _release(self):
-        """Hand the fast path's flat state back to the MegEngine objects."""
-        if self._flat is not None:
-            self._flat.release()
-            self._flat = None
+    def state(self):
+        """A context manager: the ``engine.Modules`` (model, EMA, optimizer) holding the run's state, to read or
+        change in the block (checkpoints, sampling); the engine continues from them after it."""
+        return self.engine.handed_over()
 
     def draws(self, shape, labels=None, step=None):
         """The ``StepDraws`` of this rank's batch of ``shape`` at ``step`` (default: the next step)."""
@@ -159,62 +97,55 @@ class Trainer:
 
         The loss is the batch mean of ``training_losses``' ``loss``, computed in ``--microbatch`` pieces; gradients
         are averaged over ranks, clipped to ``grad_clip`` (the returned norm is the one before clipping), then Adam
-        and the EMA update. Dropout's masks come from the step's ``dropout_seed``: on MegEngine's path they are drawn
-        in turn by the micro-batches (they depend on the cut), on the numpy pass per group of 8 samples of the batch
-        (the same for any cut into multiples of 8).
+        and the EMA update. Dropout's masks come from the step's ``dropout_seed``: on MegEngine's autodiff they are
+        drawn in turn by the micro-batches (they depend on the cut), on the numpy pass per group of 8 samples of the
+        batch (the same for any cut into multiples of 8).
         """
-        cfg = self.cfg
         draws = self.draws(x0.shape, labels) if draws is None else draws
-        lr = warmup_lr(cfg, self.step_count)
-        for group in self._optimizer.param_groups:
-            group["lr"] = lr
-        if not self._model.training:  # walking MegEngine's module tree is a large share of a small model's step
-            self._model.train()
-        # With clipping off, an infinite bound leaves the gradients untouched (scale min(inf, 1) = 1).
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        ema_decay = ema_decay_at(cfg, self.step_count)
-        metrics = {"lr": lr}
-        try:
-            loss, grad_norm = self._update(x0, draws, lr, max_norm, ema_decay, metrics)
-        except NonFiniteLossError:
-            # Once more, from the same weights and draws: a transient fault (a GPU's, or MegEngine's CPU race) then
-            # costs one step's compute; a real divergence gives the same numbers and stops as before.
-            loss, grad_norm = self._update(x0, draws, lr, max_norm, ema_decay, metrics)
-            self.recomputed_steps += 1
-            metrics["recomputed_steps"] = self.recomputed_steps
-        if self.has_buffers:
-            for ema_buffer, buffer in zip(self._ema.buffers(), self._model.buffers()):
-                assign_(ema_buffer, buffer)
-        self.step_count += 1
-        return {"loss": loss, "grad_norm": grad_norm, **metrics}
-
-    def _update(self, x0, draws, lr, max_norm, ema_decay, metrics):
-        """The gradients of ``draws`` on ``x0`` and, when they are finite, the update: (loss, gradient norm);
-        ``NonFiniteLossError`` (nothing updated) when they are not (and no ``LossScaler`` skips the step)."""
-        mge.random.seed(draws.dropout_seed)
-        rows = pieces(len(x0), self.cfg.microbatch)
-        if fast_conv_enabled():
-            flat_update = self._flat_update()
-            if self.native_step is not None and native.enabled():
-                loss, flat_update.grad = native_gradients(self.native_step, flat_update.param, x0, draws, rows)
-            else:
-                loss = self.engine_source(x0, draws, rows).item()
-                flat_update.gather_gradients()
-            grad_norm = float(flat_update.gradient_norm())
-            if not (np.isfinite(loss) and np.isfinite(grad_norm)):
-                self._optimizer.clear_grad()
-                raise NonFiniteLossError.at(loss, grad_norm, self.step_count)
-            flat_update.step(grad_norm, lr, max_norm, ema_decay)
-            self._optimizer.clear_grad()
-            return loss, grad_norm
-        self._release()
+        metrics = {"lr": warmup_lr(self.cfg, self.step_count)}
         if self.scaler is not None:
             metrics["loss_scale"] = self.scaler.scale
-        loss = self.engine_source(x0, draws, rows, self.scaler.scale if self.scaler else 1.0)
-        loss, grad_norm, applied = self.engine_update(loss, self.step_count, max_norm, ema_decay, self.scaler)
+        gradients = self._gradients(x0, draws)
+        if self._divergence(gradients) is not None:
+            # Once more, from the same weights and draws: a transient fault (a GPU's, or MegEngine's CPU race) then
+            # costs one step's compute; a real divergence gives the same numbers and stops.
+            gradients = self._gradients(x0, draws)
+            error = self._divergence(gradients)
+            if error is not None:
+                raise error
+            self.recomputed_steps += 1
+            metrics["recomputed_steps"] = self.recomputed_steps
+        if self.scaler is None or self.scaler.update(np.isfinite(gradients.norm)):
+            # With clipping off, an infinite bound leaves the gradients untouched (scale min(inf, 1) = 1).
+            self.engine.update(gradients, metrics["lr"], self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf,
+                               ema_decay_at(self.cfg, self.step_count))
+        else:
+            self.engine.discard()
         if self.scaler is not None:
-            metrics.update(update_skipped=not applied, skipped_updates=self.scaler.skipped)
-        return loss, grad_norm
+            metrics.update(update_skipped=not np.isfinite(gradients.norm), skipped_updates=self.scaler.skipped)
+        self.step_count += 1
+        return {"loss": gradients.loss, "grad_norm": gradients.norm, **metrics}
+
+    def _gradients(self, x0, draws):
+        return self.engine.gradients(x0, draws, pieces(len(x0), self.cfg.microbatch),
+                                     self.scaler.scale if self.scaler else 1.0)
+
+    def _divergence(self, gradients):
+        """The ``NonFiniteLossError`` a step with ``gradients`` stops with (its gradients already discarded), or
+        None: a non-finite loss, or a non-finite norm that no ``LossScaler`` skips."""
+        loss, norm = gradients
+        if np.isfinite(loss) and (np.isfinite(norm) or (
+                self.scaler is not None and self.scaler.scale * self.scaler.backoff_factor >= LossScaler.MIN_SCALE)):
+            return None
+        self.engine.discard()
+        if self.scaler is None:
+            return NonFiniteLossError.at(loss, norm, self.step_count)
+        if not np.isfinite(loss):
+            return NonFiniteLossError.at(loss, norm, self.step_count,
+                                         "its float16 forward (--amp) overflowed; try without --amp")
+        return NonFiniteLossError(f"gradients not finite at step {self.step_count} with the loss scale at "
+                                  f"{self.scaler.scale:g}: they overflow float16 unscaled; train without --amp, or "
+                                  "with a lower --lr")
 
 
 def check_logdir(cfg, images=None):
@@ -302,7 +233,7 @@ class TrainingRun:
     def start_line(self):
         """What the run trains on and how, in one line."""
         cfg = self.cfg
-        parameters = sum(int(np.prod(p.shape)) for p in self.trainer.params)
+        parameters = sum(int(np.prod(p.shape)) for p in self.trainer.model.parameters())
         per_rank = f" ({self.loader.local_batch} per process)" if self.trainer.world_size > 1 else ""
         return (f"data: {describe_dataset(cfg.dataset, cfg.data_path, self.loader.images, cfg.num_classes)}; "
                 f"model: {parameters:,} parameters; batch {cfg.batch_size}{per_rank}; steps "
@@ -395,7 +326,8 @@ class TrainingRun:
     def save_grid(self):
         """Sample the EMA model with the fixed grid seeds and save the PNG (and TensorBoard image)."""
         step = self.trainer.step_count
-        grid = sample_grid(self.trainer.ema, self.trainer.diffusion, self.cfg)
+        with self.trainer.state() as state:
+            grid = sample_grid(state.ema, self.trainer.diffusion, self.cfg)
         save_png(grid_path(self.cfg.logdir, step), grid)
         self.logger.add_grid(step, grid)
 
@@ -410,9 +342,10 @@ class TrainingRun:
         metrics = parse_metrics(cfg.fid_metrics, "--fid_metrics")
         reference = reference_statistics(self.loader.images, os.path.join(cfg.logdir, "fid_reference.npz"),
                                          keep_features=needs_features(metrics))
-        scores, _ = model_scores(self.trainer.ema, self.trainer.diffusion, cfg.image_shape, reference,
-                                 cfg.fid_num_images, cfg.seed, cfg.sample_sampler, cfg.sample_steps,
-                                 spacing=cfg.sample_spacing, order=cfg.sample_order, metrics=metrics)
+        with self.trainer.state() as state:
+            scores, _ = model_scores(state.ema, self.trainer.diffusion, cfg.image_shape, reference,
+                                     cfg.fid_num_images, cfg.seed, cfg.sample_sampler, cfg.sample_steps,
+                                     spacing=cfg.sample_spacing, order=cfg.sample_order, metrics=metrics)
         self.logger.write_metrics(self.trainer.step_count, {**scores, "fid_num_images": cfg.fid_num_images})
         self.logger.message(f"step {self.trainer.step_count}: {'; '.join(score_lines(scores))} "
                             f"({cfg.fid_num_images} EMA samples)")
@@ -430,7 +363,7 @@ def _worker(cfg, images=None, latest=None, progress=True):
 
 def check_training(cfg):
     """What ``train`` checks of the machine before it writes anything: the devices and distributed flags, and the
-    step's options (``check_step_options``); for callers that write before training (the demo)."""
+    step's options (``engine.check_step_options``); for callers that write before training (the demo)."""
     distributed.check_launch(cfg.num_gpus, cfg.device, cfg.world_size, cfg.rank_start, cfg.port)
     check_step_options(cfg)
 

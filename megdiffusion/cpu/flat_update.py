@@ -1,19 +1,18 @@
-"""Gradient clipping, Adam and the EMA of a ``Trainer`` in numpy, on flat float32 buffers (the fast CPU path).
+"""Gradient clipping, Adam and the EMA of a ``Trainer`` in numpy, on flat float32 buffers (the CPU engine).
 
 MegEngine's ``clip_grad_norm``, ``Adam.step`` and the EMA update run ~20 small ops per parameter tensor
 (184 tensors on the CPU recipe). Here the parameters, Adam's moments and the EMA weights live in flat
 float32 arrays between steps, and a step is two passes over cache-sized chunks of them: the gradient
 norm, then clip + Adam + EMA. The operations are MegEngine's, in its order and float32 rounding
-(``megengine/optimizer/adam.py`` without ``MEGENGINE_INPLACE_UPDATE``, ``clip_grad.py``,
-``Trainer._update_ema``), but for two: the norm is summed in float64 (MegEngine's float32 sum may be
+(``megengine/optimizer/adam.py`` without ``MEGENGINE_INPLACE_UPDATE``, ``clip_grad.py``, and
+``training.engine.DeviceEngine``'s EMA), but for two: the norm is summed in float64 (MegEngine's float32 sum may be
 one bit off, and so then the clip scale), and ``np.sqrt`` stands for MegEngine's ``** 0.5`` (which
 differs from the correctly rounded root by one bit on ~0.1% of elements). Chunk boundaries are fixed
 and the sums run on one thread, so results do not depend on the number of threads.
 
 After each step the new parameters are written into the model's ``Parameter`` objects; the EMA and
-Adam's state are written into the EMA model and the ``Adam`` optimizer only by ``release`` (the
-``Trainer`` does that whenever someone reads its ``model``, ``ema`` or ``optimizer``), in Adam's own
-format, so checkpoints are the same on both paths.
+Adam's state are written into the EMA model and the ``Adam`` optimizer only by ``write_back`` (when the trainer
+hands its state over, ``Trainer.state``), in Adam's own format, so checkpoints are the same on both engines.
 """
 import numpy as np
 
@@ -124,7 +123,7 @@ class FlatUpdate:
         for param, value in zip(self.params, self._views(self.param)):
             assign_(param, megengine.tensor(value, device=param.device))
 
-    def release(self):
+    def write_back(self):
         """Write the EMA weights into the EMA model and the moments and step count into the optimizer."""
         for param, value in zip(self.ema_params, self._views(self.ema)):
             assign_(param, megengine.tensor(value, device=param.device))

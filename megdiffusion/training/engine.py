@@ -1,0 +1,298 @@
+"""The engine of a training step, chosen once when a ``Trainer`` is built (``make_engine``). It owns the network's
+weights, their EMA and Adam's state, and offers the same calls on every path: ``gradients`` of a step's draws (the
+loss and the gradient norm, as floats; the gradients stay inside), then ``update`` (clip, Adam, EMA) or ``discard``.
+
+- ``CpuEngine`` (the CPU engine, ``megdiffusion.cpu.choice``): the gradients from the numpy pass (``cpu.native``)
+  where it implements the setup (``"numpy"``), else from MegEngine's autodiff with the CPU convolutions
+  (``"cpu_autodiff"``); the update in numpy on flat buffers (``cpu.flat_update``).
+- ``DeviceEngine`` (``"megengine"``: GPUs, or ``MEGDIFFUSION_FAST_CONV=0``): MegEngine's autodiff (``EngineSource``:
+  eager or traced, float32 or mixed precision) and MegEngine's update on the device.
+
+Every source takes the batch in micro-batches (``--microbatch``) and gives the gradient of the whole batch's mean loss.
+"""
+import contextlib
+import functools
+from typing import NamedTuple
+
+import numpy as np
+
+from megdiffusion.compat import assign_, quiet_megengine
+from megdiffusion.cpu import native
+from megdiffusion.cpu.choice import cpu_engine_enabled
+from megdiffusion.cpu.flat_update import FlatUpdate
+from megdiffusion.errors import MegdiffusionError
+from megdiffusion.training import distributed
+from megdiffusion.training.config import ConfigError
+
+mge = quiet_megengine()
+import megengine.functional as F  # noqa: E402
+from megengine.amp import autocast  # noqa: E402
+from megengine.autodiff import GradManager  # noqa: E402
+from megengine.jit import trace  # noqa: E402
+from megengine.optimizer import Adam  # noqa: E402
+
+ENGINES = ("numpy", "cpu_autodiff", "megengine")
+
+
+class NonFiniteLossError(MegdiffusionError):
+    """The loss or gradient norm became NaN/inf; the model was not updated."""
+
+    exit_code = 1  # the input was fine; the run diverged
+
+    @classmethod
+    def at(cls, loss, grad_norm, step, advice="the model was not updated. Try a lower --lr or --grad_clip"):
+        """The error of step ``step`` (0-based) whose loss or gradient norm is not finite, with ``advice`` (the
+        training loop adds where a rerun starts)."""
+        return cls(f"non-finite loss {loss} (gradient norm {grad_norm}) at step {step}; {advice}")
+
+
+def pieces(batch, microbatch):
+    """The micro-batches of a batch of ``batch`` samples, as slices (``microbatch`` 0: the whole batch)."""
+    size = microbatch or batch
+    return [slice(start, start + size) for start in range(0, batch, size)]
+
+
+class EngineSource:
+    """The loss and gradients of a batch through MegEngine's autodiff (``grad_manager`` over ``params``).
+
+    ``amp``: the forward and the loss under ``megengine.amp.autocast`` (float16 convolutions and matmuls; MegEngine
+    keeps GroupNorm in float32, the UNet its softmax and time embedding) and the backward of the loss times the
+    loss scale. ``traced``: each micro-batch's forward and backward runs as one ``jit.trace(symbolic=True)`` graph
+    (every micro-batch has the same shapes); the gradients are summed outside it. Tracing runs the first call
+    eagerly, whose rounding differs from the compiled graph's, so that call's result is dropped and the graph run
+    again: every step then comes from the compiled graph, and a resumed run continues bit for bit.
+    """
+
+    def __init__(self, model, diffusion, params, grad_manager, amp=False, traced=False):
+        self.model, self.diffusion, self.params, self.grad_manager = model, diffusion, params, grad_manager
+        self.amp = amp
+        self._piece = trace(self._piece_gradients, symbolic=True) if traced else self._piece_gradients
+        self._untraced = traced  # the graph is traced by its first call
+
+    def __call__(self, x0, draws, rows, loss_scale=1.0):
+        """The batch's mean loss (a scalar tensor, on the device); its gradient times ``loss_scale`` is left in
+        the parameters' ``.grad``. ``x0``, ``draws`` and ``rows`` as ``native.NativeStep.batch_gradients``'."""
+        mge.random.seed(draws.dropout_seed)
+        if not self.model.training:  # walking MegEngine's module tree is a large share of a small model's step
+            self.model.train()
+        loss, total = None, None
+        scale = mge.tensor(np.float32(loss_scale))
+        for piece in rows:
+            part = draws.piece(piece)
+            args = [mge.tensor(x0[piece]), mge.tensor(part.t), mge.tensor(part.noise)]
+            args += [None if part.perturbation is None else mge.tensor(part.perturbation),
+                     None if part.labels is None else mge.tensor(part.labels), scale]
+            if self._untraced:
+                self._fresh_piece(args, len(x0))  # traces the graph; its eager result is dropped
+                self._untraced = False
+            piece_loss, grads = self._fresh_piece(args, len(x0))
+            loss = piece_loss if loss is None else loss + piece_loss
+            total = list(grads) if total is None else [g if a is None else a if g is None else a + g
+                                                       for a, g in zip(total, grads)]
+        for param, grad in zip(self.params, total):
+            param.grad = grad
+        return loss
+
+    def _fresh_piece(self, args, batch_size):
+        """``_piece`` from parameters without gradients (a traced graph is the same on every call)."""
+        for param in self.params:
+            param.grad = None
+        return self._piece(*args, batch_size=batch_size)
+
+    def _piece_gradients(self, x0, t, noise, perturbation, labels, scale, *, batch_size):
+        """One micro-batch: its summed loss over ``batch_size`` and that loss's gradients times ``scale``."""
+        network = self.model if labels is None else functools.partial(self.model, y=labels)
+        with self.grad_manager:
+            with autocast(enabled=self.amp):
+                losses = self.diffusion.training_losses(network, x0, t, noise, perturbation)["loss"]
+            loss = losses.sum() / batch_size
+            self.grad_manager.backward(loss, dy=scale)
+        return loss, [param.grad for param in self.params]
+
+
+class LossScaler:
+    """Dynamic loss scaling for float16 gradients, ``megengine.amp.GradScaler``'s rule with its state on the host:
+    the scale grows by ``growth_factor`` after ``growth_interval`` clean updates in a row, and a step whose gradients
+    are not finite is skipped and shrinks it by ``backoff_factor``. Defaults: PyTorch's (2^16, 2, 0.5, 2000)."""
+
+    MIN_SCALE = 1.0  # below it float16 gradients would overflow unscaled: no scale absorbs that
+
+    def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.clean_steps = 0  # clean updates since the scale last changed
+        self.skipped = 0  # updates skipped over the whole run
+
+    def update(self, finite):
+        """Record a step whose gradients were ``finite`` or not; returns whether to apply its update."""
+        if finite:
+            self.clean_steps += 1
+            if self.clean_steps >= self.growth_interval:
+                self.scale *= self.growth_factor
+                self.clean_steps = 0
+            return True
+        self.scale *= self.backoff_factor
+        self.clean_steps = 0
+        self.skipped += 1
+        return False
+
+    def state_dict(self):
+        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "clean_steps": self.clean_steps, "skipped": self.skipped}
+
+    def load_state_dict(self, state):
+        self.scale = float(state["scale"])
+        self.growth_factor, self.backoff_factor = float(state["growth_factor"]), float(state["backoff_factor"])
+        self.growth_interval, self.clean_steps = int(state["growth_interval"]), int(state["clean_steps"])
+        self.skipped = int(state["skipped"])
+
+
+
+class Gradients(NamedTuple):
+    """What the host learns of a step's gradients: the batch's mean loss and the gradients' global L2 norm (of the
+    unscaled gradients under ``--amp``, before clipping)."""
+
+    loss: float
+    norm: float
+
+
+class Modules(NamedTuple):
+    """The MegEngine objects of a run: the network, its EMA copy (eval mode) and Adam over the network's parameters."""
+
+    model: object
+    ema: object
+    optimizer: object
+
+
+class _Engine:
+    def __init__(self, model, ema, optimizer, source):
+        self.model, self.ema, self.optimizer, self.source = model, ema, optimizer, source
+        self.params = list(model.parameters())
+
+    def _set_lr(self, lr):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    @contextlib.contextmanager
+    def handed_over(self):
+        """``Modules`` holding the engine's state, to read or change in the block; the engine continues from them."""
+        yield Modules(self.model, self.ema, self.optimizer)
+
+
+class CpuEngine(_Engine):
+    """The CPU engine: gradients from the numpy pass (``native_step``, a ``native.NativeStep``) where it implements
+    the setup, else from ``source`` (an ``EngineSource``, whose convolutions then run on the CPU kernels); clipping,
+    Adam and the EMA in numpy on flat buffers (``FlatUpdate``), which hold the state between steps. The network's
+    weights are written back after every update; the EMA's and Adam's only when the state is ``handed_over``."""
+
+    def __init__(self, model, ema, optimizer, source, native_step=None):
+        super().__init__(model, ema, optimizer, source)
+        self.native_step = native_step
+        self.flat = self._flat_update()
+
+    def _flat_update(self):
+        return FlatUpdate(self.params, list(self.ema.parameters()), self.optimizer)
+
+    def gradients(self, x0, draws, rows, loss_scale=1.0):
+        """The ``Gradients`` of ``draws`` on the batch ``x0`` in the micro-batches ``rows`` (``loss_scale``: 1, as
+        the CPU engine runs in float32)."""
+        if self.native_step is not None:
+            loss, self.flat.grad = self.native_step.batch_gradients(self.flat.param, x0, draws, rows)
+        else:
+            loss = self.source(x0, draws, rows).item()
+            self.flat.gather_gradients()
+            self.optimizer.clear_grad()
+        return Gradients(float(loss), float(self.flat.gradient_norm()))
+
+    def update(self, gradients, lr, max_norm, ema_decay):
+        """Clip the last ``gradients`` to ``max_norm``, one Adam step at ``lr``, the EMA update with ``ema_decay``."""
+        self._set_lr(lr)
+        self.flat.step(gradients.norm, lr, max_norm, ema_decay)
+        self.flat.grad = None
+
+    def discard(self):
+        """Drop the last gradients without an update."""
+        self.flat.grad = None
+
+    @contextlib.contextmanager
+    def handed_over(self):
+        self.flat.write_back()
+        yield Modules(self.model, self.ema, self.optimizer)
+        self.flat = self._flat_update()
+
+
+class DeviceEngine(_Engine):
+    """MegEngine's kernels: gradients from ``source`` (an ``EngineSource``) into the parameters' ``.grad``; unscale,
+    clip, Adam and the EMA on the device. The loss and the gradient norm reach the host in one transfer, the step's
+    only synchronisation."""
+
+    def gradients(self, x0, draws, rows, loss_scale=1.0):
+        """The ``Gradients`` of ``draws`` on the batch ``x0`` in the micro-batches ``rows``, the backward run on the
+        loss times ``loss_scale`` (``--amp``) and the gradients divided by it again."""
+        loss = self.source(x0, draws, rows, loss_scale)
+        with_grad = [param for param in self.params if param.grad is not None]
+        if loss_scale != 1.0:
+            inverse = mge.tensor(np.float32(1.0 / loss_scale))
+            for param in with_grad:
+                param.grad = param.grad * inverse
+        norms = [F.norm(param.grad.flatten()) for param in with_grad]  # ``clip_grad_norm``'s norm, op for op
+        self._norm = F.norm(F.concat(norms)) if len(norms) > 1 else norms[0]
+        loss_value, norm_value = (float(v) for v in F.stack([loss.astype("float32"), self._norm]).numpy())
+        return Gradients(loss_value, norm_value)
+
+    def update(self, gradients, lr, max_norm, ema_decay):
+        """Clip the last gradients to ``max_norm`` (``clip_grad_norm``'s rule), one Adam step at ``lr``, the EMA
+        update with ``ema_decay``."""
+        self._set_lr(lr)
+        scale = F.minimum(max_norm / (self._norm + 1e-6), 1)
+        for param in self.params:
+            if param.grad is not None:
+                param.grad = param.grad * scale
+        self.optimizer.step()
+        for ema_param, param in zip(self.ema.parameters(), self.params):
+            assign_(ema_param, ema_param * ema_decay + param * (1.0 - ema_decay))
+        self.optimizer.clear_grad()
+
+    def discard(self):
+        """Drop the last gradients without an update."""
+        self.optimizer.clear_grad()
+
+
+def check_step_options(cfg, engine=None):
+    """``ConfigError`` (one line) for ``--amp`` or ``--trace`` with an ``engine`` (default: the CPU engine when it is
+    chosen, ``cpu.choice``) that does not run MegEngine's kernels: the CPU engine computes outside MegEngine, in
+    float32, eagerly."""
+    wanted = [flag for flag, on in (("--amp", cfg.amp), ("--trace", cfg.trace)) if on]
+    on_megengine = engine == "megengine" if engine else not cpu_engine_enabled()
+    if wanted and not on_megengine:
+        raise ConfigError(f"{' and '.join(wanted)} run{'s' if len(wanted) == 1 else ''} on MegEngine's own kernels, "
+                          "which this machine's fast CPU path replaces; train on a GPU, or set "
+                          "MEGDIFFUSION_FAST_CONV=0 to use MegEngine's (slow) CPU kernels")
+
+
+def choose_engine(model, diffusion, world_size):
+    """The engine a run takes on this machine (one of ``ENGINES``): the CPU engine unless MegEngine's kernels are
+    chosen (``cpu.choice``), with the numpy pass where ``native`` implements the setup."""
+    if not cpu_engine_enabled():
+        return "megengine"
+    if native.enabled() and native.unsupported(model, diffusion, world_size) is None:
+        return "numpy"
+    return "cpu_autodiff"
+
+
+def make_engine(cfg, model, ema, diffusion, world_size=1, engine=None):
+    """The engine of a run of ``cfg`` (``engine``, one of ``ENGINES``; default ``choose_engine``'s) over ``model`` and
+    its EMA copy ``ema``, with a new Adam; gradients are averaged over ``world_size`` processes."""
+    engine = engine or choose_engine(model, diffusion, world_size)
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}; got {engine!r}")
+    check_step_options(cfg, engine)
+    params = list(model.parameters())
+    optimizer = Adam(params, lr=cfg.lr)
+    grad_manager = GradManager().attach(params, callbacks=distributed.allreduce_mean_callbacks(world_size))
+    source = EngineSource(model, diffusion, params, grad_manager, amp=cfg.amp, traced=cfg.trace)
+    if engine == "megengine":
+        return DeviceEngine(model, ema, optimizer, source)
+    return CpuEngine(model, ema, optimizer, source,
+                     native.NativeStep(model, diffusion, params) if engine == "numpy" else None)
