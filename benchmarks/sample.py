@@ -1,6 +1,7 @@
 """Seconds per image of DDPM-1000 and DDIM-50/100 side by side, and eager vs jit-traced denoising steps.
 
     .venv/bin/python benchmarks/sample.py [--config configs/fashion_mnist_cpu.cfg] [--batch_size 16]
+    .venv/bin/python benchmarks/sample.py --batch_size 2 --repeats 1 --samplers ddim-2,ddpm-3   # seconds: a check
 
 Prints one JSON line per measurement. Weights are freshly initialised: speed does not depend on them.
 """
@@ -32,6 +33,8 @@ def main():
     parser.add_argument("--config", default=CPU_RECIPE)
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--samplers", default="ddim-50,ddim-100,ddpm",
+                        help="comma-separated SAMPLER-STEPS timed one after the other (no -STEPS: the model's T)")
     args = parser.parse_args()
 
     cfg, _ = config_from_flagfile(args.config)
@@ -54,7 +57,8 @@ def main():
 
     # Whole samplers, one after the other in this run.
     seeds = list(range(args.batch_size))
-    for sampler, steps in (("ddim", 50), ("ddim", 100), ("ddpm", cfg.num_timesteps)):
+    for sampler, _, steps in (name.partition("-") for name in args.samplers.split(",")):
+        steps = int(steps or cfg.num_timesteps)
         start = time.perf_counter()
         diffusion.sample(model, shape, sampler=sampler, steps=steps, seeds=seeds).numpy()
         seconds = time.perf_counter() - start
