@@ -35,7 +35,7 @@ def steps_for(sampler, calls, guided):
 
 def measure(run_dir, sampler, spacing, calls, guided, num_images=500, batch_size=100):
     """One point: FID and sampling seconds of ``num_images`` samples of the run's final EMA model."""
-    from megdiffusion.sampling.generation import Autoguidance, generate_images
+    from megdiffusion.diffusion.generation import Autoguidance, generate_images
     from megdiffusion.metrics import fid
     from megdiffusion.sampling.jobs import load_model
 

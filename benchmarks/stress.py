@@ -51,7 +51,7 @@ def child(args):
     from megdiffusion.cpu import batch_threads
     from megdiffusion.images import to_float
     from megdiffusion.cpu import conv
-    from megdiffusion.sampling.generation import generate_images
+    from megdiffusion.diffusion.generation import generate_images
     from megdiffusion.training.config import CPU_RECIPE
     from megdiffusion.scripts.cli import config_from_flagfile
     from megdiffusion.training.trainer import Trainer

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from megdiffusion.sampling import evaluate
+from megdiffusion.metrics import evaluate
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.metrics import fid
 from megdiffusion.training import checkpoint as ckpt

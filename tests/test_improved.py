@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from megdiffusion import sampling
-from megdiffusion.sampling import evaluate
+from megdiffusion.metrics import evaluate
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.spacing import space_timesteps
-from megdiffusion.sampling.generation import generate_images
+from megdiffusion.diffusion.generation import generate_images
 from megdiffusion.training.trainer import TrainingRun
 
 quiet_megengine()

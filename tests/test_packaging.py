@@ -94,6 +94,38 @@ def test_no_module_imports_itself_through_others():
             visit(module, [module])
 
 
+# The package's folders from the top down (docs/architecture.md): a module imports only from its own folder and the
+# folders below it, and from the modules at the package's root (shared helpers, below every folder).
+LAYERS = ("scripts", "sampling", "formats", "training", "metrics", "diffusion", "data", "nn", "cpu")
+
+
+def _layer(module):
+    """The rank of ``module``'s folder in ``LAYERS`` (0: the top); the package's root modules rank below them all."""
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 2 or parts[1:] and parts[1] in LAYERS else len(LAYERS)
+
+
+def upward_imports(graph):
+    """Every import of ``graph`` (``_module_imports``'s) from a folder into one above it: "a -> b" lines. The package
+    itself (``megdiffusion/__init__.py``, the names users import) stands above all."""
+    return [f"{module} -> {target}" for module, targets in sorted(graph.items()) if module != "megdiffusion"
+            for target in sorted(targets) if _layer(target) < _layer(module)]
+
+
+def test_every_folder_is_in_the_layers_and_no_import_runs_upward():
+    folders = {path.name for path in (ROOT / "megdiffusion").iterdir() if (path / "__init__.py").exists()}
+    assert folders == set(LAYERS)
+    assert upward_imports(_module_imports()) == []
+
+
+def test_an_upward_import_is_found():
+    graph = _module_imports()
+    graph["megdiffusion.cpu.conv"] = graph["megdiffusion.cpu.conv"] | {"megdiffusion.nn.layers"}
+    graph["megdiffusion.errors"] = graph["megdiffusion.errors"] | {"megdiffusion.data.loader"}
+    assert upward_imports(graph) == ["megdiffusion.cpu.conv -> megdiffusion.nn.layers",
+                                     "megdiffusion.errors -> megdiffusion.data.loader"]
+
+
 def test_the_names_users_import_keep_working():
     code = ("from megdiffusion.nn import UNet; from megdiffusion import diffusion, training, sampling; "
             "from megdiffusion.sampling import load_model, read_samples; import megdiffusion.scripts.train; "

@@ -14,7 +14,7 @@ from megdiffusion import sampling
 from megdiffusion.sampling import jobs
 from megdiffusion.compat import cuda_driver_loadable, quiet_megengine
 from megdiffusion.diffusion.solvers import SOLVERS
-from megdiffusion.sampling.generation import Autoguidance, _Guided, generate_images
+from megdiffusion.diffusion.generation import Autoguidance, _Guided, generate_images
 from megdiffusion.nn.options import NO_CLASS
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
@@ -342,7 +342,7 @@ def test_nan_samples_are_refused_and_nothing_of_them_is_written(logdir, tmp_path
     """A sampler that diverges (here: image 5 made NaN after sampling) is one error naming the images and the likely
     cause; the earlier batch stays on disk, the bad one is not written as white or black PNGs."""
     from megdiffusion.diffusion.gaussian import GaussianDiffusion
-    from megdiffusion.sampling.generation import NonFiniteSamples
+    from megdiffusion.diffusion.generation import NonFiniteSamples
 
     original = GaussianDiffusion.sample
 

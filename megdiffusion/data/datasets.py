@@ -14,7 +14,7 @@ from megdiffusion.data.sources import CROP_RULE, IMAGE_EXTENSIONS, ArraySource, 
     LmdbSource, decode_array, decode_file, image_paths, is_lmdb, subfolder_classes
 from megdiffusion.errors import one_line
 from megdiffusion.fileio import read_npz
-from megdiffusion.formats.torch_archive import load_array_pickle
+from megdiffusion.torch_archive import load_array_pickle
 
 ASSETS = Path(__file__).parent / "assets"
 IMAGES, LABELS = "images-idx3", "labels-idx1"  # the two kinds of Fashion-MNIST idx file

@@ -7,7 +7,8 @@ import numpy as np
 
 from megdiffusion.diffusion.choices import LEARNED_VAR_TYPES
 from megdiffusion.errors import one_line
-from megdiffusion.formats import ConvertError, torch_archive
+from megdiffusion import torch_archive
+from megdiffusion.formats import ConvertError
 from megdiffusion.formats.diffusers import DIFFUSERS_WEIGHTS, diffusers_source
 from megdiffusion.formats.names import TIME_TABLE, detect_layout, format_of, mapping, qkv_part, split_qkv
 from megdiffusion.formats.networks import network_from_shapes, table_embedding

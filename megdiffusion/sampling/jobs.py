@@ -1,7 +1,7 @@
 """Sampling a trained run: the model from its checkpoint, resumable output directories, grids and npz, on
 one device or on several GPUs (``run_job``).
 
-Image ``i`` depends only on (seed, i) (``megdiffusion.sampling.generation``): a run split into pieces, resumed after
+Image ``i`` depends only on (seed, i) (``megdiffusion.diffusion.generation``): a run split into pieces, resumed after
 a crash, or spread over several GPUs writes the same images as one uninterrupted run.
 """
 import json
@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import output_directory, save_npz, write_text
-from megdiffusion.sampling.generation import Autoguidance, check_class_label, generate_images
+from megdiffusion.diffusion.generation import Autoguidance, check_class_label, generate_images
 from megdiffusion.images import make_grid, read_image, save_png
 from megdiffusion.training import checkpoint, distributed
 from megdiffusion.training.config import build_diffusion, build_model

@@ -30,7 +30,7 @@ import numpy as np
 
 from megdiffusion.errors import MegdiffusionError, one_line
 from megdiffusion.fileio import atomic_write
-from megdiffusion.formats.torch_archive import WeightsError, load_array_pickle
+from megdiffusion.torch_archive import WeightsError, load_array_pickle
 from megdiffusion.training.draws import SCHEMES
 
 CHECKPOINT_DIR = "checkpoints"
@@ -206,6 +206,7 @@ def load_init(cfg):
 
     state, path = load_file_or_newest(cfg.init_from)
     stored = config_of(state, path)
+    check_channels(stored, cfg, f"--init_from {cfg.init_from}", "start without --init_from")
     changed = differences(stored, cfg, NETWORK_FIELDS)
     if output_channels(stored) != output_channels(cfg):
         changed["var_type"] = as_flag("var_type", stored.var_type)  # a learned variance doubles the outputs
@@ -223,6 +224,14 @@ def initialise(state, path, trainer):
         load_weights(modules.ema, state["ema"], path)
 
 
+def check_channels(stored, cfg, source, remedy):
+    """``CheckpointError`` unless the network of config ``stored`` (of checkpoint ``source``) takes the image channels
+    of ``cfg``'s data: read from the data, no flag sets them, so ``differences`` cannot name them."""
+    if stored.image_channels != cfg.image_channels:
+        raise CheckpointError(f"{source} was trained on images of {stored.image_channels} channel(s); this dataset's "
+                              f"have {cfg.image_channels}: {remedy}")
+
+
 def check_recipe(state, path, cfg):
     """``CheckpointError`` unless checkpoint dict ``state`` (read from ``path``) can continue a run of ``cfg``:
     it holds an optimizer and data position, and was trained with the same ``RECIPE_FIELDS``."""
@@ -230,9 +239,7 @@ def check_recipe(state, path, cfg):
         raise CheckpointError(f"{path} holds weights only (no optimizer or data position); start a run from it "
                               "with --init_from")
     stored = config_of(state, path)
-    if stored.image_channels != cfg.image_channels:  # read from the data: no flag sets it
-        raise CheckpointError(f"{path} was trained on images of {stored.image_channels} channel(s); this dataset's "
-                              f"have {cfg.image_channels}: resume on the run's data, or start a new --logdir")
+    check_channels(stored, cfg, path, "resume on the run's data, or start a new --logdir")
     changed = differences(stored, cfg, RECIPE_FIELDS)
     if changed:
         raise CheckpointError(f"{path} was trained with different {', '.join(changed)} "

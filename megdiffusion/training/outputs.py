@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from megdiffusion.fileio import write_text
 from megdiffusion.images import make_grid
-from megdiffusion.sampling.generation import generate_images
+from megdiffusion.diffusion.generation import generate_images
 from megdiffusion.training.config import to_flagfile, to_json
 
 

@@ -335,7 +335,7 @@ class TrainingRun:
         """``fid_metrics`` of ``fid_num_images`` EMA samples against the training images (their statistics, and
         features for KID and precision/recall, cached in the logdir as ``fid_reference.npz``), written to
         metrics.jsonl (``scores.compare``'s names)."""
-        from megdiffusion.sampling.evaluate import model_scores, reference_statistics
+        from megdiffusion.metrics.evaluate import model_scores, reference_statistics
         from megdiffusion.metrics.scores import needs_features, parse_metrics, score_lines
 
         cfg = self.cfg

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from megdiffusion.sampling.generation import generate_images, image_seed
+from megdiffusion.diffusion.generation import generate_images, image_seed
 from megdiffusion.images import to_float
 from megdiffusion.metrics import fid
 from megdiffusion.metrics.kid_pr import KID_SEED, KID_SUBSETS
