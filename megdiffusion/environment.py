@@ -14,9 +14,12 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 # name: (kind, what it does). Kinds: "boolean", "boolean or auto" (auto or empty: None), "integer" (>= 0),
 # "absolute path".
 VARIABLES = {
-    "MEGDIFFUSION_FAST_CONV": ("boolean or auto", "the CPU fast path: convolutions (and the step) outside MegEngine's "
-                                          "kernels; default on where MegEngine sees no GPU"),
-    "MEGDIFFUSION_NATIVE_STEP": ("boolean", "the whole training step in numpy on the CPU fast path; default on"),
+    "MEGDIFFUSION_FAST_CONV": ("boolean or auto", "the CPU engine (cpu/choice.py): the UNet's steps, update, "
+                                                  "sampling calls and convolutions outside MegEngine's kernels; "
+                                                  "default on where MegEngine sees no GPU"),
+    "MEGDIFFUSION_NATIVE_STEP": ("boolean", "the CPU engine's numpy pass of the network (training steps and "
+                                            "sampling calls); off: MegEngine's autodiff with the CPU convolutions; "
+                                            "default on"),
     "MEGDIFFUSION_NUMBA": ("boolean", "the compiled GroupNorm, SiLU and softmax kernels; default on"),
     "MEGDIFFUSION_ONEDNN": ("boolean", "oneDNN's convolutions and products on the CPU; default on"),
     "MEGDIFFUSION_VERBOSE": ("boolean", "keep MegEngine's start-up banner and log lines; default off"),
