@@ -271,6 +271,14 @@ CASES = [
     ("47:resume-on-data-of-other-channels", "train", ["--flagfile=run/flags.cfg", "--logdir=run", "--resume",
                                                       "--data_path=rgb8.data"],
      "was trained on images of 1 channel(s); this dataset's have 3: resume on the run's data"),
+    ("init-from-data-of-other-channels", "train", ["--flagfile=run/flags.cfg", "--logdir=new", "--data_path=rgb8.data",
+                                                   "--init_from=run"],
+     "--init_from run was trained on images of 1 channel(s); this dataset's have 3: start without --init_from"),
+    # a run continued without its flagfile: the command line may not change what decides the weights
+    ("resume-changing-the-weights", "train", ["--logdir=run", "--resume", "--total_steps=3", "--lr=0.1",
+                                              "--model_channels=64", "--save_every=1"],
+     "--resume continues the run of run/checkpoints/ckpt_0000002.pkl as it was trained, and --lr, --model_channels "
+     "would change it; drop them, or start a new --logdir"),
     ("data-workers-negative", "train", [*TRAIN, "--data_workers=-1"], "--data_workers must be >= 0 and <= 64, got -1"),
     ("47:folder-of-a-size-without-recipe", "train", ["--dataset=folder", "--data_path=images", "--image_size=48"],
      "no recipe for 48x48 without a --flagfile"),
@@ -586,7 +594,7 @@ CASES = [
     ("output-file", "demo", [*DEMO, "--output=afile.txt"], "--output afile.txt is a file"),
     ("output-proc", "demo", [*DEMO, "--output=/proc/x"], "--output /proc/x cannot be written"),
     ("output-empty", "demo", [*DEMO, "--output="], "--output is empty; give a path"),
-    ("guidance-below-one", "demo", [*DEMO, "--guidance=0.5"], "--guidance=0.5"),
+    ("guidance-below-one", "demo", [*DEMO, "--guidance=0.5"], "--guidance must be >= 1 and <= 100, got 0.5"),
     ("positional", "demo", [*DEMO, "extra"], "unexpected arguments"),
     ("39:batch-zero", "demo", [*DEMO, "--batch_size=0"], "--batch_size must be >= 1 and <= 1048576, got 0"),
     ("39:one-reference-image", "demo", [*DEMO, "--num_reference=1"], "--num_reference must be >= 2"),

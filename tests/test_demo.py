@@ -32,7 +32,7 @@ def test_demo_trains_samples_scores_and_resumes(tmp_path):
     assert summary["steps"] >= 1 and summary["steps_this_run"] == summary["steps"]
     assert np.isfinite(summary["fid"]) and summary["fid"] > 0 and summary["fid_num_images"] == 4
     assert 0 < summary["fid_floor"] < summary["fid"]  # 4 real images are closer to the data than 4 barely trained
-    assert summary["sampler"] == "ddpm-2"  # the recipe's --sample_sampler unless --sampler says otherwise
+    assert summary["sampler"] == "ddpm-2"  # the demo's protocol unless --sampler says otherwise
     # Guided by the model 40% of the way through the training (saved as guide.pkl).
     assert summary["guidance"] == 2.5 and 0 <= summary["guide_step"] <= summary["steps"]
     assert f"guided by the step-{summary['guide_step']} model with w=2.5" in first.stdout

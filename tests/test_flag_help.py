@@ -3,21 +3,26 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-SCRIPTS = ("train", "sample", "fid", "nll", "convert", "demo", "prepare")
+SCRIPTS_DIR = Path(__file__).resolve().parents[1] / "megdiffusion" / "scripts"
+# Every command: each module of megdiffusion/scripts with a main (cli.py and shared_flags.py are what they share).
+SCRIPTS = tuple(sorted(path.stem for path in SCRIPTS_DIR.glob("*.py") if "\ndef main(" in path.read_text()))
 # What each script defines, read in a fresh process per script (the scripts share absl's global FLAGS).
 LIST_FLAGS = """
 import importlib, json, sys
 from absl import flags
+from megdiffusion.scripts.cli import flag_bounds
 name = "megdiffusion.scripts." + sys.argv[1]
 module = importlib.import_module(name)
 defined = {}
 for owner, flag_list in flags.FLAGS.flags_by_module_dict().items():
     if owner.startswith("megdiffusion."):
         for flag in flag_list:
-            defined[flag.name] = {"help": flag.help or "", "default": flag.default}
+            defined[flag.name] = {"help": flag.help or "", "default": flag.default,
+                                  "bounds": flag_bounds(flags.FLAGS, flag.name)}
 print(json.dumps(defined, default=repr))
 """
 DEFAULT_QUOTE = re.compile(r"\bdefault:? (-?\d+(?:\.\d+)?(?:e-?\d+)?)\b")
@@ -54,3 +59,24 @@ def test_warmup_steps_help_describes_the_schedule_the_trainer_uses(script_flags)
     cfg = TrainConfig(lr=1e-3, warmup_steps=4)
     assert [warmup_lr(cfg, step) for step in range(5)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
     assert "--lr * (n + 1) / warmup_steps" in script_flags["train"]["warmup_steps"]["help"]
+
+
+def test_a_flag_several_commands_take_has_one_bound_default_and_help(script_flags):
+    from megdiffusion.scripts.shared_flags import OWN_FLAGS
+
+    assert {"train", "sample", "fid", "nll", "convert", "demo", "prepare"} <= set(SCRIPTS)
+    takers = {}
+    for script, defined in script_flags.items():
+        for name, flag in defined.items():
+            takers.setdefault(name, {})[script] = flag
+    for name, by_script in takers.items():
+        bounds = {script: flag["bounds"] for script, flag in by_script.items()}
+        assert len({json.dumps(b, sort_keys=True) for b in bounds.values()}) == 1, f"--{name}'s bounds: {bounds}"
+        shared = {script: json.dumps([flag["default"], flag["help"]]) for script, flag in by_script.items()
+                  if (script, name) not in OWN_FLAGS}
+        assert len(set(shared.values())) <= 1, f"--{name} differs between {sorted(shared)}: {shared}"
+    for script, name in OWN_FLAGS:  # each exception is needed: the flag exists and differs from another command's
+        own = script_flags[script][name]
+        others = [flag for other, flag in takers[name].items() if other != script]
+        assert any((flag["default"], flag["help"]) != (own["default"], own["help"]) for flag in others), \
+            f"{script} --{name} is listed in OWN_FLAGS but is the shared flag"

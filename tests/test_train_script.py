@@ -1,6 +1,7 @@
 """``python -m megdiffusion.scripts.train`` end to end: outputs, exact resume, SIGTERM, bad input."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from megdiffusion.training.checkpoint import list_checkpoints, load_checkpoint
+from megdiffusion.training.config import CPU_RECIPE
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,7 +69,8 @@ def test_exact_resume_in_a_new_process(tiny_model_flags, tmp_path, npz_data, rec
     # 6 steps of 8 out of 32 images: the run crosses an epoch boundary after the resume.
     runs = [train(*common, "--total_steps=6", f"--logdir={straight}", hashseed=1),
             train(*common, "--total_steps=3", f"--logdir={split}", hashseed=2),
-            train(*common, "--total_steps=6", f"--logdir={split}", "--resume", hashseed=3)]
+            # improved: continued from the checkpoint alone (its config); ddpm: with its flags spelt out again
+            train(*([] if recipe else common), "--total_steps=6", f"--logdir={split}", "--resume", hashseed=3)]
     for result in runs:
         assert result.returncode == 0, result.stderr
     assert "resumed from" in runs[2].stderr
@@ -140,6 +143,13 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message
     lines = error_lines(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
     assert not logdir.exists()
+
+
+def test_help_shows_the_values_of_the_recipe_a_bare_run_reads():
+    result = train("--help")
+    assert f"reads {CPU_RECIPE} first" in result.stdout, result.stdout
+    for name, value in (("model_channels", "16"), ("batch_size", "16"), ("total_steps", "20000")):
+        assert re.search(rf"--{name}: [^\n]*\n(?:    [^\n]*\n)*?    \(default: '{value}'\)", result.stdout), name
 
 
 def test_fresh_run_refuses_a_logdir_with_checkpoints(tiny_model_flags, tmp_path, npz_data):

@@ -26,15 +26,9 @@ ABSL_DEBUG_FLAGS = {"run_with_profiling": "python -m cProfile -o FILE -m megdiff
 # Image i of a run draws its noise from image_seed(seed, i) = (seed << 32) + i (``generation``): distinct for
 # i < 2**32 only, so no command makes more images than that.
 MAX_IMAGES = 2 ** 32
-# Bounds of the scripts' flags that are not ``TrainConfig`` fields (a flag named like a field takes the field's
-# bounds, ``config.field_bounds``), checked for every script when its flags are parsed (``parse_into``).
-SCRIPT_BOUNDS = {"num_images": {"min": 1, "max": MAX_IMAGES}, "num_reference": {"min": 2, "max": MAX_IMAGES},
-                 "images": {"min": 1, "max": MAX_IMAGES}, "minutes": {"above": 0, "max": 7 * 24 * 60},
-                 "kid_subsets": {"min": 1, "max": 10000},
-                 "kid_subset_size": {"min": 2}, "workers": {"min": 0, "max": 256},
-                 # guidance: 1 is none, papers use 1.5 to 10; far above, float32 overflows
-                 "guidance": {"min": 1, "max": 100},
-                 "kid_seed": {"min": 0, "max": 2 ** 32 - 1}}  # numpy's RandomState
+# The bounds of every other flag that has some: flag name -> bounds, recorded by ``define_integer`` and
+# ``define_float`` where the flag is defined.
+BOUNDS = {}
 
 
 def error_line(message):
@@ -111,12 +105,38 @@ def check_flagfiles(args, including=()):
         check_flagfiles(lines, including + (real,))
 
 
+def define_integer(name, default, help_text, flag_values=flags.FLAGS, **bounds):
+    """absl's ``DEFINE_integer`` for a flag held to ``bounds`` (``config.rule``'s keys), which its help states."""
+    _define(flags.DEFINE_integer, name, default, help_text, flag_values, bounds)
+
+
+def define_float(name, default, help_text, flag_values=flags.FLAGS, **bounds):
+    """absl's ``DEFINE_float`` for a flag held to ``bounds`` (``config.rule``'s keys), which its help states."""
+    _define(flags.DEFINE_float, name, default, help_text, flag_values, bounds)
+
+
+def _define(define, name, default, help_text, flag_values, bounds):
+    from megdiffusion.training.config import rule
+
+    BOUNDS[name] = bounds
+    define(name, default, help_text + (f" Must be {rule(bounds)}." if bounds else ""), flag_values=flag_values)
+
+
+def flag_bounds(flag_values, name):
+    """The bounds flag ``--name`` of ``flag_values`` is held to: its ``TrainConfig`` field's for a training flag,
+    else those it was defined with (``BOUNDS``)."""
+    from megdiffusion.training import config
+
+    if flag_values.find_module_defining_flag(name) == config.__name__:  # made by ``config.define_flags``
+        return config.field_bounds(name)
+    return BOUNDS.get(name, {})
+
+
 def parse_into(flag_values, argv):
     """Parse ``argv`` into ``flag_values``; ``UsageError`` for a bad flag, a missing flagfile, a number that is
-    not finite (every float flag of every script), a number outside its flag's bounds (``SCRIPT_BOUNDS``, or
-    the ``TrainConfig`` field of the same name) or one of ``ABSL_DEBUG_FLAGS``. Returns the positional
-    arguments."""
-    from megdiffusion.training.config import ConfigError, check_bounds, field_bounds
+    not finite (every float flag of every script), a number outside its flag's bounds (``flag_bounds``) or one of
+    ``ABSL_DEBUG_FLAGS``. Returns the positional arguments."""
+    from megdiffusion.training.config import ConfigError, check_bounds
 
     check_flagfiles(argv[1:])
     try:
@@ -133,7 +153,7 @@ def parse_into(flag_values, argv):
             raise UsageError(f"--{name} must be a finite number, got {value}")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             try:
-                check_bounds(name, value, SCRIPT_BOUNDS.get(name) or field_bounds(name))
+                check_bounds(name, value, flag_bounds(flag_values, name))
             except ConfigError as err:
                 raise UsageError(str(err)) from None
     return rest
@@ -173,36 +193,6 @@ def reject_arguments(argv):
     """Fail in one line when a script that takes only flags got positional arguments."""
     if len(argv) > 1:
         fail(f"unexpected arguments {argv[1:]}; flags look like --name=value")
-
-
-def define_solver_flags():
-    """--spacing and --order (``diffusion.solvers``) for the scripts that sample."""
-    from absl import flags
-
-    from megdiffusion.diffusion.solvers import DEFAULT_SPACING, SPACINGS
-
-    flags.DEFINE_enum("spacing", None, SPACINGS, "Where the --steps noise levels lie: leading (range(0, T, T // "
-                      "steps), the ddpm and ddim default), linspace, trailing (diffusers' conventions), karras (Karras "
-                      f"et al. 2022, rho 7) or logsnr (uniform log-SNR); the solvers' default is {DEFAULT_SPACING}. "
-                      "ddpm and ddim take the first three.")
-    flags.DEFINE_integer("order", None, "unipc: the solver's order, 2 (default) or 3. The other solvers' names say "
-                         "theirs (dpmpp_2m, dpmpp_3m).")
-
-
-def define_guidance_flags():
-    """--guide_ckpt, --guidance and --guide_unconditional (autoguidance and classifier-free guidance,
-    ``generation.Autoguidance``) for the sampling and FID scripts."""
-    from absl import flags
-
-    flags.DEFINE_string("guide_ckpt", None, "Autoguidance (Karras et al. 2024): a weaker model to guide the sampled "
-                        "one with, such as an earlier checkpoint of the same run (file or logdir); each step then "
-                        "calls both networks.")
-    flags.DEFINE_float("guidance", 1.0, "With --guide_ckpt: the guidance weight w, prediction = guide + w (model - "
-                       "guide); 1 is no guidance. The demo uses 2.5 with the checkpoint 40% of the way through its "
-                       "training.")
-    flags.DEFINE_bool("guide_unconditional", False, "With --guide_ckpt: the guide predicts without a class (a "
-                      "class-conditional run trained with --class_dropout). With the sampled checkpoint itself as "
-                      "--guide_ckpt this is classifier-free guidance (Ho & Salimans 2022).")
 
 
 def config_from_flagfile(path, **overrides):

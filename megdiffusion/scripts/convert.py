@@ -9,32 +9,38 @@ parameter and every parameter is filled, or nothing is written. Bad input: one `
 """
 from absl import app, flags
 
-from megdiffusion.scripts.cli import UsageError, megengine_failures, one_line_errors, parse_flags
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import VAR_TYPES
 from megdiffusion.diffusion.schedules import SCHEDULES
 from megdiffusion.fileio import check_not_input, check_writable
 from megdiffusion.formats import CHANNEL_ORDERS, FORMATS
+from megdiffusion.scripts import cli, shared_flags
+from megdiffusion.scripts.cli import UsageError, define_integer, megengine_failures, one_line_errors, parse_flags
+from megdiffusion.training.config import field_bounds
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("format", "auto", ("auto",) + FORMATS, "The checkpoint's format; auto: read from the content.")
-flags.DEFINE_bool("overwrite", False, "Replace OUT when it exists.")
+shared_flags.define_overwrite_flag()
+# Its own --ema, --image_size, ... (shared_flags.OWN_FLAGS): a published file's weights and network, bounded like the
+# training config's fields they become.
 flags.DEFINE_bool("ema", False, "Convert the EMA weights of a file that holds raw and EMA weights (pytorch-ddpm's "
                   "ckpt.pt, the MegEngine port's ckpt.pkl); default: the raw ones.")
-flags.DEFINE_integer("image_size", None, "Image size, for networks whose file does not record it and that are not "
-                     "a published model.")
-flags.DEFINE_integer("norm_groups", None, "GroupNorm groups, for files that do not record it (default 32, what "
-                     "pesser's, ddim's and pytorch-ddpm's code use).")
+define_integer("image_size", None, "Image size, for networks whose file does not record it and that are not a "
+               "published model.", **field_bounds("image_size"))
+define_integer("norm_groups", None, "GroupNorm groups, for files that do not record it (default 32, what pesser's, "
+               "ddim's and pytorch-ddpm's code use).", **field_bounds("norm_groups"))
 flags.DEFINE_enum("var_type", None, VAR_TYPES, "Sampling variance, for networks whose files do not record it and "
                   "that are not a published model.")
-flags.DEFINE_integer("num_heads", None, "Attention heads, for improved-diffusion networks that are not a published "
-                     "model.")
-flags.DEFINE_integer("num_timesteps", None, "Diffusion steps T, for files that do not record it and are not a "
-                     "published model (default 1000).")
+define_integer("num_heads", None, "Attention heads, for improved-diffusion networks that are not a published model.",
+               **field_bounds("num_heads"))
+define_integer("num_timesteps", None, "Diffusion steps T, for files that do not record it and are not a published "
+               "model (default 1000).", **field_bounds("num_timesteps"))
 flags.DEFINE_enum("beta_schedule", None, SCHEDULES, "Beta schedule, for improved-diffusion files that are not a "
                   "published model (default linear).")
 flags.DEFINE_enum("channel_order", None, CHANNEL_ORDERS, "The channel order the network takes (converted to RGB); "
                   "needed for MegEngine-port files other than its hub's.")
+flags.adopt_module_key_flags(cli)  # so that --help lists the flags defined there and in shared_flags
+flags.adopt_module_key_flags(shared_flags)
 
 
 def main(argv):

@@ -20,39 +20,37 @@ import time
 
 from absl import app, flags
 
-from megdiffusion.scripts.cli import define_solver_flags
 from megdiffusion.compat import quiet_megengine
-from megdiffusion.diffusion.choices import ANCESTRAL, SAMPLERS
-from megdiffusion.diffusion.solvers import DEFAULT_STEPS, sampler_label
+from megdiffusion.diffusion.solvers import sampler_label
 from megdiffusion.training.config import CPU_RECIPE
 from megdiffusion.fileio import copy_file, output_directory, save_npz, write_text
 from megdiffusion.metrics.kid_pr import NEIGHBOURS
 from megdiffusion.metrics.scores import FEATURE_NETWORK
+from megdiffusion.scripts import cli, shared_flags
+from megdiffusion.scripts.cli import MAX_IMAGES, define_float, define_integer
 
 FLAGS = flags.FLAGS
 DEFAULT_MINUTES = 10.0
-ANCESTRAL_STEPS = 100  # ddpm's and ddim's steps when --steps is not given: the demo's protocol (DDPM-100)
-flags.DEFINE_float("minutes", None, f"Training time budget in minutes (this run; default {DEFAULT_MINUTES}).")
-flags.DEFINE_integer("images", None, "Instead of --minutes: train this many images in this run (rounded up to "
-                     "whole batches), however long that takes.")
+define_float("minutes", None, f"Training time budget in minutes (this run; default {DEFAULT_MINUTES}).", above=0,
+             max=7 * 24 * 60)
+define_integer("images", None, "Instead of --minutes: train this many images in this run (rounded up to whole "
+               "batches), however long that takes.", min=1, max=MAX_IMAGES)
 flags.DEFINE_string("output", "runs/demo", "Output directory; nothing is written outside it.")
 flags.DEFINE_bool("resume", False, "Continue the previous demo's training instead of starting clean.")
 flags.DEFINE_string("config", None, "Training flagfile (default: the package's fashion_mnist_cpu.cfg).")
-flags.DEFINE_integer("num_images", 500, "EMA samples for FID; the real-data floor takes as many real images, "
-                     "the last of the split.")
-flags.DEFINE_integer("num_reference", 1000, "Embedded images (the first N) whose statistics are the FID "
-                     "reference; computed once and kept in --output.")
-flags.DEFINE_enum("sampler", None, SAMPLERS, "Sampler for the grid and FID samples (default: the recipe's "
-                  "--sample_sampler).")
-# 100 steps: clearly better FID than 50 for a minute more of scoring; 200 gained nothing
-# (benchmarks/README.md, "Design choices measured").
-flags.DEFINE_integer("steps", None, f"Sampling steps for the grid and FID samples (default: {ANCESTRAL_STEPS} for "
-                     f"ddpm and ddim, the demo's protocol; the solvers' {DEFAULT_STEPS}).")
-define_solver_flags()
-flags.DEFINE_integer("batch_size", 100, "Sampling and Inception batch size.")
+define_integer("num_images", 500, "EMA samples for FID; the real-data floor takes as many real images, the last of "
+               "the split.", min=1, max=MAX_IMAGES)
+define_integer("num_reference", 1000, "Embedded images (the first N) whose statistics are the FID reference; "
+               "computed once and kept in --output.", min=2, max=MAX_IMAGES)
+# Guided DDPM-100, the protocol of the demo's figures: 100 steps scored clearly better than 50 for a minute more of
+# scoring, 200 gained nothing (benchmarks/README.md, "Design choices measured").
+shared_flags.define_sampler_flags()
+shared_flags.define_batch_size(100, "Sampling and Inception batch size.")
 # 2.5: the best of the weights tried on the recipe's checkpoints (benchmarks/README.md, "Design choices measured").
-flags.DEFINE_float("guidance", 2.5, "Autoguidance weight: samples are guided by the model 40% of the way through "
-                   "the training (Karras et al. 2024); 1 turns it off.", lower_bound=1.0)
+shared_flags.define_guidance_weight(2.5, "Autoguidance weight: samples are guided by the model 40% of the way "
+                                    "through the training (Karras et al. 2024); 1 turns it off.")
+flags.adopt_module_key_flags(cli)  # so that --help lists the flags defined there and in shared_flags
+flags.adopt_module_key_flags(shared_flags)
 
 MARKER = "demo.json"
 GUIDE = "guide.pkl"  # the checkpoint GUIDE_FRACTION of the way to the final step (``guide_fraction``)
@@ -100,15 +98,14 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
     """Check everything, then (``output`` locked) train for ``minutes`` or ``train_images`` (this run), sample
     (guided by the model ``GUIDE_FRACTION`` of the way through the training when ``guidance`` > 1), draw grids
     and score; returns the summary dict (also written to summary.json)."""
-    from megdiffusion.scripts.cli import UsageError
-    from megdiffusion.sampling.evaluate import model_scores, reference_statistics
+    from megdiffusion.scripts.cli import UsageError, config_from_flagfile
+    from megdiffusion.metrics.evaluate import model_scores, reference_statistics
     from megdiffusion.metrics.scores import METRICS, compare
-    from megdiffusion.sampling.generation import Autoguidance
+    from megdiffusion.diffusion.generation import Autoguidance
     from megdiffusion.images import make_grid, save_png
     from megdiffusion.sampling.jobs import check_sampler, load_model
     from megdiffusion.training.checkpoint import list_checkpoints, load_latest
     from megdiffusion.training.config import build_diffusion
-    from megdiffusion.scripts.cli import config_from_flagfile
     from megdiffusion.training.trainer import check_training, train
 
     logdir = os.path.join(output, "train")
@@ -135,9 +132,7 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
     if num_images + num_reference > len(images):
         raise UsageError(f"--num_images {num_images} + --num_reference {num_reference} is more than the "
                          f"{len(images)} training images: the floor's real images must be apart from the reference")
-    sampler = sampler or cfg.sample_sampler
-    if steps is None:
-        steps = ANCESTRAL_STEPS if sampler in ANCESTRAL else DEFAULT_STEPS
+    steps = shared_flags.default_steps("demo", sampler, steps)
     check_sampler(build_diffusion(cfg), sampler, steps, spacing=spacing, order=order)  # before training, not after it
     check_training(cfg)  # before the demo's own files, not after them
     with output_directory(output, "--output", MARKER):

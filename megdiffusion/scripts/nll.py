@@ -12,19 +12,20 @@ import math
 import numpy as np
 from absl import app, flags
 
-from megdiffusion.scripts.cli import UsageError, megengine_failures, one_line_errors, parse_flags
 from megdiffusion.compat import quiet_megengine
+from megdiffusion.scripts import cli, shared_flags
+from megdiffusion.scripts.cli import MAX_IMAGES, UsageError, define_integer, megengine_failures, one_line_errors, \
+    parse_flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("ckpt", None, "Checkpoint file, or a logdir whose newest valid checkpoint is used.")
-flags.DEFINE_bool("ema", True, "Use the EMA weights (--noema: the raw training weights).")
-flags.DEFINE_integer("num_images", None, "Evaluate the first N images of PATH (default: all).")
-flags.DEFINE_integer("batch_size", 50, "Images per denoising batch.")
+shared_flags.define_model_flags()
+shared_flags.define_batch_flags()
+define_integer("num_images", None, "Evaluate the first N images of PATH (default: all).", min=1, max=MAX_IMAGES)
 flags.DEFINE_integer("steps", None, "Timesteps of the bound (default: T); fewer use range(0, T, T // steps).")
-flags.DEFINE_string("respacing", None, "Instead of --steps: improved-diffusion's timestep respacing ('50', "
-                    "'ddim50', '10,15,20'; see scripts.sample).")
-flags.DEFINE_integer("seed", 0, "Image i's noise depends only on (seed, i).")
-flags.DEFINE_boolean("progress", True, "Show a progress bar (images) on stderr.")
+shared_flags.define_respacing_flag()
+shared_flags.define_progress_flag()
+flags.adopt_module_key_flags(cli)  # so that --help lists the flags defined there and in shared_flags
+flags.adopt_module_key_flags(shared_flags)
 
 
 def _images(spec, image_shape, num_images):
@@ -48,7 +49,7 @@ def main(argv):
     quiet_megengine()
     from tqdm import tqdm
 
-    from megdiffusion.sampling.evaluate import bits_per_dim
+    from megdiffusion.metrics.evaluate import bits_per_dim
     from megdiffusion.sampling.jobs import SamplingError, load_model
 
     with one_line_errors(), megengine_failures("rerun the same command"):

@@ -13,22 +13,24 @@ import signal
 
 from absl import app, flags
 
-from megdiffusion.scripts.cli import UsageError, one_line_errors, parse_flags
 from megdiffusion.data.sources import ArraySource
 from megdiffusion.fileio import check_not_input
+from megdiffusion.scripts import cli, shared_flags
+from megdiffusion.scripts.cli import UsageError, define_integer, one_line_errors, parse_flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("image_size", None, "The training resolution: every image is centre-cropped to a square and "
-                     "resized to it (PIL bicubic). Default: the source's own size, for sources of one size (CIFAR-10, "
-                     "npz, idx).")
+shared_flags.define_image_size_flag()  # the training resolution; images of many sizes need it
 flags.DEFINE_enum("labels", "auto", ("auto", "subfolders", "none"), "Class labels: auto keeps the source's "
                   "(CIFAR-10's, an npz's arr_1, Fashion-MNIST's; a folder has none), subfolders takes a folder's "
                   "first-level subfolder names (sorted) as classes 0, 1, ..., none writes no labels.")
-flags.DEFINE_integer("workers", None, "Processes that decode images (default: one per core; 0: this process).")
+define_integer("workers", None, "Processes that decode images (default: one per core; 0: this process).", min=0,
+               max=256)
 flags.DEFINE_bool("skip_bad", False, "Leave out images that cannot be read, counted and listed in DEST's record "
                   "(default: stop at the first with one error line naming it).")
-flags.DEFINE_bool("overwrite", False, "Replace DEST when it exists.")
-flags.DEFINE_bool("progress", True, "Show a progress bar with images/s and the time left on stderr.")
+shared_flags.define_overwrite_flag()
+shared_flags.define_progress_flag()
+flags.adopt_module_key_flags(cli)  # so that --help lists the flags defined there and in shared_flags
+flags.adopt_module_key_flags(shared_flags)
 
 
 def _stop_on_sigterm(signum, frame):

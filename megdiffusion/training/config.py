@@ -155,7 +155,7 @@ class TrainConfig:
     fid_every: int = _flag(0, "Score the EMA model with FID every this many steps (0: never); samples with "
                            "--sample_sampler/--sample_steps, reference stats cached in the logdir.", min=0)
     fid_num_images: int = _flag(1000, "Samples per FID evaluation during training (a covariance needs 2).", min=2,
-                                max=2 ** 32)  # image i's seed is (seed << 32) + i: cli.MAX_IMAGES
+                                max=2 ** 32)  # image i's seed is (seed << 32) + i: scripts.cli.MAX_IMAGES
     fid_metrics: str = _flag("fid", "What --fid_every scores: fid, kid, pr (precision/recall) comma-separated, or all; "
                              "KID and precision/recall keep the reference's features in fid_reference.npz.")
     # Devices
@@ -237,9 +237,10 @@ def rule(bounds):
 
 
 def field_bounds(name):
-    """The bounds of the ``TrainConfig`` field ``name`` (its metadata), or {} for a name that is no field: what
-    every script's flag of that name is held to (``cli.parse_into``)."""
-    return next((f.metadata for f in fields(TrainConfig) if f.name == name), {})
+    """The bounds of the ``TrainConfig`` field ``name`` (the ``rule`` keys of its metadata); ``KeyError`` for a name
+    that is no field."""
+    metadata = next(f.metadata for f in fields(TrainConfig) if f.name == name)
+    return {key: metadata[key] for key, _, _ in _BOUNDS if key in metadata}
 
 
 def check_bounds(name, value, bounds):

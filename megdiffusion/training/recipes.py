@@ -1,8 +1,10 @@
-"""The recipe ``train`` reads first when no ``--flagfile`` is given, chosen from the data the command line names."""
+"""The recipe ``train`` reads first when no ``--flagfile`` is given: the one that fits the data the command line
+names, or with ``--resume --logdir RUN`` the config of RUN's newest checkpoint."""
 import os
 
 from megdiffusion.data.prepared import is_prepared, read_record
 from megdiffusion.data.sources import IMAGE_EXTENSIONS
+from megdiffusion.training.checkpoint import config_of, load_latest
 from megdiffusion.training.config import CONFIGS, CPU_RECIPE, ConfigError
 
 # One's own images: the datasets whose recipe ``train`` picks by image size without a --flagfile.
@@ -12,6 +14,33 @@ OWN_DATA_RECIPES = {32: "own32.cfg", 64: "own64.cfg"}
 # Flags that describe the network: given without a --flagfile for images of another size, the user composes the
 # recipe (on the CPU recipe's training settings).
 NETWORK_FLAGS = ("model_channels", "channel_mult", "attention_resolutions", "num_res_blocks")
+# What a run continued without its flagfile (``resumed_config``) may set anew on the command line: where it stops, what
+# it writes and when, the machine and processes it runs on, and where its data lies (checked to be the same images).
+# Every other setting is its checkpoint's: they decide the weights, which exact resume continues bit for bit.
+RESUME_SETTINGS = ("resume", "logdir", "total_steps", "time_limit_minutes", "log_every", "save_every",
+                   "keep_checkpoints", "sample_every", "sample_num", "sample_sampler", "sample_steps", "sample_spacing",
+                   "sample_order", "fid_every", "fid_num_images", "fid_metrics", "data_workers", "data_path", "device",
+                   "num_gpus", "world_size", "rank_start", "master_ip", "port")
+
+
+def resumed_config(argv):
+    """``(cfg, path)``: the config of the newest checkpoint of the run a command line without --flagfile continues
+    (``--resume --logdir RUN``, RUN with checkpoints), else None."""
+    logdir = _given(argv, "logdir")
+    if logdir is None or not _given_bool(argv, "resume"):
+        return None
+    latest = load_latest(logdir, warn=lambda message: None)  # the run warns of a skipped file when it loads
+    return None if latest is None else (config_of(*latest), latest[1])
+
+
+def _given_bool(argv, name):
+    """Whether the boolean flag ``--name`` is set on the command line (``--name``, ``--noname``, ``--name=false``)."""
+    value = False
+    for arg in argv:
+        flag, _, text = arg.lstrip("-").partition("=")
+        if arg.startswith("-") and flag in (name, f"no{name}"):
+            value = flag == name and text.lower() not in ("false", "f", "0")
+    return value
 
 
 def _given(argv, name):
