@@ -1,4 +1,5 @@
 """Every command's flags: a help text that says something, and where it quotes a default, the flag's real default."""
+import ast
 import json
 import re
 import subprocess
@@ -80,3 +81,41 @@ def test_a_flag_several_commands_take_has_one_bound_default_and_help(script_flag
         others = [flag for other, flag in takers[name].items() if other != script]
         assert any((flag["default"], flag["help"]) != (own["default"], own["help"]) for flag in others), \
             f"{script} --{name} is listed in OWN_FLAGS but is the shared flag"
+
+
+FLAG_MENTION = re.compile(r"(?<![\w-])--([a-z][a-z0-9_]*)(?![\w-])")
+# Flags a message may name that no command defines: absl's own, and "--name" standing for any flag.
+ABSL_FLAGS = {"flagfile", "help", "helpfull", "helpshort", "undefok"}
+PLACEHOLDERS = {"name"}
+
+
+def mentioned_flags():
+    """{flag name: files} of every ``--name`` in the package's string literals and the literal parts of its f-strings
+    (a part that ends where a value is put in, ``f"--no{name}"``, names no flag by itself)."""
+    found = {}
+    for path in (SCRIPTS_DIR.parent).rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        partial = {id(part) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr)
+                   for part, after in zip(node.values, node.values[1:]) if isinstance(after, ast.FormattedValue)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                for match in FLAG_MENTION.finditer(node.value):
+                    if not (id(node) in partial and match.end() == len(node.value)):
+                        found.setdefault(match.group(1), set()).add(path.name)
+    return found
+
+
+def argparse_options():
+    """The options of the package's argparse command lines (``gpu_build``)."""
+    return {arg.value[2:] for path in SCRIPTS_DIR.parent.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"
+            for arg in node.args if isinstance(arg, ast.Constant) and str(arg.value).startswith("--")}
+
+
+def test_every_flag_a_message_names_exists(script_flags):
+    defined = {name for flags in script_flags.values() for name in flags} | argparse_options()
+    defined |= {f"no{name}" for name in defined}  # a boolean's negation
+    missing = {name: files for name, files in mentioned_flags().items()
+               if name not in defined | ABSL_FLAGS | PLACEHOLDERS}
+    assert not missing, f"flags named in messages that no command defines: {missing}"
+    assert {"logdir", "init_from", "noema"} <= set(mentioned_flags())  # the walk reads the messages

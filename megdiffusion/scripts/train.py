@@ -1,4 +1,4 @@
-"""Train a DDPM: ``python -m megdiffusion.scripts.train [--flagfile configs/cifar10.cfg] [--flags...]``.
+"""Train a DDPM: ``python -m megdiffusion.scripts.train [--flagfile configs/cifar10.cfg] [--name=value ...]``.
 
 Without a ``--flagfile`` a recipe that fits the data is read first (``training.recipes``): the CPU recipe
 (configs/fashion_mnist_cpu.cfg) for the embedded Fashion-MNIST split, so plain ``python -m
