@@ -15,7 +15,6 @@ import json
 import multiprocessing
 import os
 import struct
-import sys
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
@@ -160,9 +159,9 @@ def prepare(source, dest, size, workers=None, skip_bad=False, overwrite=False, p
     kept_labels, skipped, count = [], [], 0
     bar = None
     if progress:
-        from tqdm import tqdm
+        from megdiffusion.progress import progress_bar
 
-        bar = tqdm(total=len(source), unit="img", desc="prepare", dynamic_ncols=True, file=sys.stderr)
+        bar = progress_bar(total=len(source), unit="img", desc="prepare")
     try:
         with atomic_write(dest) as f:
             f.write(b"\0" * DATA_OFFSET)

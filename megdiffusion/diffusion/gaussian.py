@@ -11,7 +11,7 @@ The model is passed to each call, never stored.
 import math
 
 import numpy as np
-from tqdm import tqdm
+from megdiffusion.progress import progress_bar
 
 import megengine
 import megengine.functional as F
@@ -487,7 +487,8 @@ class GaussianDiffusion:
         grid = solvers.make_grid(self.alphas_cumprod, steps, spacing, sampler, lambda_min_clipped)
         model_times = np.interp(grid.timesteps, np.arange(self.num_timesteps),
                                 self.model_timesteps(np.arange(self.num_timesteps)).numpy().astype(np.float64))
-        bar = tqdm(total=solvers.calls_per_image(sampler, steps), disable=not progress, leave=False, unit="call")
+        bar = progress_bar(total=solvers.calls_per_image(sampler, steps), disable=not progress, leave=False,
+                           unit="call")
 
         def denoise(i, y):
             abar = 1.0 / (1.0 + grid.sigmas[i] ** 2)

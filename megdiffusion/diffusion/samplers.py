@@ -8,7 +8,7 @@ before learned variances existed.
 """
 import contextlib
 
-from tqdm import tqdm
+from megdiffusion.progress import progress_bar
 
 import megengine.functional as F
 
@@ -28,7 +28,7 @@ def eval_mode(model):
 
 def _reverse_indices(num_steps, progress):
     """num_steps - 1, ..., 0, with a tqdm bar when ``progress``."""
-    return tqdm(range(num_steps - 1, -1, -1), total=num_steps, disable=not progress, leave=False)
+    return progress_bar(range(num_steps - 1, -1, -1), total=num_steps, disable=not progress, leave=False)
 
 
 def _full(n, value):

@@ -41,9 +41,9 @@ def model_scores(model, diffusion, image_shape, reference, num_images, seed=0, s
                 kid_subset_size)
     bar = None
     if progress:
-        from tqdm import tqdm
+        from megdiffusion.progress import progress_bar
 
-        bar = tqdm(total=num_images, unit="img", desc=f"sampling ({sampler})", dynamic_ncols=True)
+        bar = progress_bar(total=num_images, unit="img", desc=f"sampling ({sampler})")
     samples = generate_images(model, diffusion, image_shape, range(num_images), seed, sampler, steps, eta,
                               batch_size, progress=bar, respacing=respacing, guidance=guidance, spacing=spacing,
                               order=order)

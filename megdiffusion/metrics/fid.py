@@ -147,9 +147,9 @@ def _feature_batches(images, batch_size=50, progress=False, weights_path=None):
     network = get_inception(weights_path)
     bar = None
     if progress:
-        from tqdm import tqdm
+        from megdiffusion.progress import progress_bar
 
-        bar = tqdm(total=len(images), unit="img", desc="inception", dynamic_ncols=True)
+        bar = progress_bar(total=len(images), unit="img", desc="inception")
     for start in range(0, len(images), batch_size):
         stop = min(start + batch_size, len(images))
         yield network(_batch(images, start, stop))

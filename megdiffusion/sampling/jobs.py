@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-from tqdm import tqdm
+from megdiffusion.progress import progress_bar
 
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import output_directory, save_npz, write_text
@@ -206,8 +206,8 @@ def sample_to_directory(model, diffusion, image_shape, output, num_images, seed,
     one batch and a rerun continues where it stopped.
     """
     todo = missing_indices(output, num_images, rank, world_size)
-    bar = tqdm(total=len(todo), unit="img", desc=f"sampling ({sampler})", disable=not (progress and todo and rank == 0),
-               dynamic_ncols=True)
+    bar = progress_bar(total=len(todo), unit="img", desc=f"sampling ({sampler})",
+                       disable=not (progress and todo and rank == 0))
     with bar:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start:start + batch_size]

@@ -47,9 +47,8 @@ def _images(spec, image_shape, num_images):
 
 def main(argv):
     quiet_megengine()
-    from tqdm import tqdm
-
     from megdiffusion.metrics.evaluate import bits_per_dim
+    from megdiffusion.progress import progress_bar
     from megdiffusion.sampling.jobs import SamplingError, load_model
 
     with one_line_errors(), megengine_failures("rerun the same command"):
@@ -66,8 +65,8 @@ def main(argv):
         except ValueError as err:
             raise SamplingError(str(err)) from None
         images = _images(argv[1], cfg.image_shape, FLAGS.num_images)
-        with tqdm(total=len(images), unit="img", desc="bits/dim", disable=not FLAGS.progress,
-                  dynamic_ncols=True, bar_format="{l_bar}{bar}| {n:.1f}/{total} [{elapsed}<{remaining}]") as bar:
+        with progress_bar(total=len(images), unit="img", desc="bits/dim", disable=not FLAGS.progress,
+                          bar_format="{l_bar}{bar}| {n:.1f}/{total} [{elapsed}<{remaining}]") as bar:
             result = bits_per_dim(model, chain, images, FLAGS.seed, FLAGS.batch_size, progress=bar)
     total = result["total_bpd"]
     error = total.std(ddof=1) / math.sqrt(len(total)) if len(total) > 1 else float("nan")

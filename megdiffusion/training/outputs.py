@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from tqdm import tqdm
+from megdiffusion.progress import progress_bar
 
 from megdiffusion.fileio import write_text
 from megdiffusion.images import make_grid
@@ -51,8 +51,7 @@ class RunLogger:
     def __init__(self, logdir, total_steps, start_step, progress=True):
         os.makedirs(logdir, exist_ok=True)
         self.metrics_file = open(os.path.join(logdir, "metrics.jsonl"), "a")
-        self.bar = tqdm(total=total_steps, initial=start_step, disable=not progress, dynamic_ncols=True,
-                        unit="step")
+        self.bar = progress_bar(total=total_steps, initial=start_step, disable=not progress, unit="step")
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
