@@ -1,5 +1,6 @@
 """What the command-line scripts share: one-line errors with exit code 2 for bad input (flags, paths and
-files too), exit code 1 for a failure of MegEngine itself, and 130 for Ctrl-C."""
+files too), exit code 1 for a failure of MegEngine itself, and 130 for Ctrl-C; flag parsing, with every number held
+to its flag's bounds."""
 import contextlib
 import math
 import os
@@ -26,8 +27,8 @@ ABSL_DEBUG_FLAGS = {"run_with_profiling": "python -m cProfile -o FILE -m megdiff
 # Image i of a run draws its noise from image_seed(seed, i) = (seed << 32) + i (``generation``): distinct for
 # i < 2**32 only, so no command makes more images than that.
 MAX_IMAGES = 2 ** 32
-# The bounds of every other flag that has some: flag name -> bounds, recorded by ``define_integer`` and
-# ``define_float`` where the flag is defined.
+# Flag name -> the bounds it was defined with (``define_integer``, ``define_float``); a training flag's are its
+# config field's (``flag_bounds``).
 BOUNDS = {}
 
 

@@ -76,8 +76,8 @@ def define_respacing_flag():
 
 
 def define_eta_flag():
-    """--eta: DDIM's noise."""
-    define_float("eta", 0.0, "DDIM eta: 0 is deterministic DDIM, 1 adds DDPM-like noise.", min=0)
+    """--eta: DDIM's noise (its bound: ``GaussianDiffusion.check_sampling``'s, with the sampler it goes with)."""
+    flags.DEFINE_float("eta", 0.0, "DDIM eta: 0 is deterministic DDIM, 1 adds DDPM-like noise.")
 
 
 def define_guidance_flags():
