@@ -15,7 +15,9 @@ Rows (``--rows``, comma-separated): ``fp32`` (eager float32), ``trace``, ``amp``
 ``megengine.distributed`` for N > 1) of the same steps, whose losses should agree step for step. Each row runs in a
 process of its own, so its peak memory is its own: MegEngine's allocator statistics on a GPU
 (``peak_device_mb``), the process's peak RSS everywhere (``peak_rss_mb``; on CPU also the numpy pass's worker
-processes, ``peak_worker_rss_mb``, the largest of them).
+processes, ``peak_worker_rss_mb``, the largest of them). ``host_reads_per_step``: the host's reads of device values
+during a timed step, each a synchronisation; ``--profile`` adds the kernels launched, the ops dispatched from Python
+and the interpreter's waits of one eager step (MegEngine's profiler), or the operators of a traced step's two graphs.
 
     python benchmarks/gpu_step.py                     # on a GPU: fp32, trace, amp, amp+trace, microbatch32
     python benchmarks/gpu_step.py --rows fp32,microbatch32,microbatch8 --steps 1 --warmup 0 [--source engine]
@@ -26,6 +28,7 @@ take the fast CPU path like the training command (the numpy pass; ``--source eng
 holds the activations as it does on a GPU, with the fast convolutions).
 """
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -77,10 +80,9 @@ def images_and_config(args, logdir=None):
         images = load_dataset("cifar10", path=args.data_path, image_size=size)
     else:
         images = np.repeat(load_dataset("fashion_mnist", image_size=size)[:args.images], 3, axis=3)
-    cfg = TrainConfig(**(TINY if args.tiny else PAPER), image_channels=3, dropout=0.0, seed=0, sample_every=0,
-                      save_every=0, log_every=1, total_steps=args.warmup + args.steps,
-                      device="cpu" if args.device == "cpu" else "auto",
-                      **({"batch_size": args.batch_size} if args.batch_size else {}))
+    model = {**(TINY if args.tiny else PAPER), **({"batch_size": args.batch_size} if args.batch_size else {})}
+    cfg = TrainConfig(**model, image_channels=3, dropout=0.0, seed=0, sample_every=0, save_every=0, log_every=1,
+                      total_steps=args.warmup + args.steps, device="cpu" if args.device == "cpu" else "auto")
     return images, cfg
 
 
@@ -96,16 +98,21 @@ def run_row(args, name):
     trainer = Trainer(cfg, engine="cpu_autodiff" if args.source == "engine" and cpu_engine_enabled() else None)
     loader = BatchLoader(images, cfg.batch_size, cfg.seed, random_flip=False)
     losses, seconds = [], []
+    reads = HostReads()
     for step in range(args.warmup + args.steps):
         batch, _ = loader.next_batch()
-        start = time.perf_counter()
-        metrics = trainer.step(batch)
-        seconds.append(time.perf_counter() - start)
+        with reads.counted(step >= args.warmup):
+            start = time.perf_counter()
+            metrics = trainer.step(batch)
+            seconds.append(time.perf_counter() - start)
         losses.append(metrics["loss"])
     timed = seconds[args.warmup:]
     result = {"row": name, "images_per_s": round(cfg.batch_size / statistics.median(timed), 2),
               "mean_loss": round(float(np.mean(losses[args.warmup:])), 6),
-              "skipped_updates": metrics.get("skipped_updates", 0), "loss_scale": metrics.get("loss_scale")}
+              "skipped_updates": metrics.get("skipped_updates", 0), "loss_scale": metrics.get("loss_scale"),
+              "host_reads_per_step": reads.count / args.steps}
+    if args.profile:
+        result.update(profiled_step(trainer, loader.next_batch()[0]))
     mge._full_sync()
     device_peak = mge.device.get_max_allocated_memory()
     if device_peak:
@@ -116,6 +123,51 @@ def run_row(args, name):
         result["peak_worker_rss_mb"] = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)
     result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     return result
+
+
+class HostReads:
+    """Counts the host's reads of device values (``Tensor.numpy``, which ``.item()`` and ``float()`` go through):
+    each waits for the device to finish the work before it, a synchronisation."""
+
+    def __init__(self):
+        self.count = 0
+
+    @contextlib.contextmanager
+    def counted(self, on=True):
+        original = mge.Tensor.numpy
+
+        def read(tensor):
+            self.count += 1
+            return original(tensor)
+
+        if on:
+            mge.Tensor.numpy = read
+        try:
+            yield
+        finally:
+            mge.Tensor.numpy = original
+
+
+def profiled_step(trainer, batch):
+    """Eager steps: one more step under MegEngine's profiler: the kernels it launched, the ops Python dispatched and
+    the interpreter's waits for a tensor. Traced steps (``--trace``): the operators of the two compiled graphs (the
+    profiler cannot run around a traced backward: "no fallback implementation for PushScope")."""
+    from megengine.utils.profiler import Profiler
+
+    graphs = [getattr(trainer.engine, name, None) for name in ("gradient_graph", "update_graph")]
+    if any(hasattr(graph, "_trace") for graph in graphs):
+        return {"graph_operators": [len(graph._trace.ops) for graph in graphs]}
+    with tempfile.TemporaryDirectory() as scratch:
+        with Profiler(path=scratch):
+            trainer.step(batch)
+        [path] = [os.path.join(scratch, f) for f in os.listdir(scratch) if f.endswith(".json")]
+        with open(path) as f:
+            events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    begins = [e for e in events if e.get("ph") in ("B", "X")]
+    return {"kernels_per_step": sum(e.get("cat") == "Kernel" for e in begins),
+            "op_dispatches_per_step": sum(e.get("name") == "OpDispatch" for e in begins),
+            "interpreter_waits_per_step": sum(e.get("name") == "TensorWaitProp" for e in begins)}
 
 
 def run_training(args, name):
@@ -150,6 +202,8 @@ def main():
                         help="engine: MegEngine's autodiff even where the numpy pass would compute the gradients")
     parser.add_argument("--tiny", action="store_true", help="a 0.1M-parameter network on 8x8 images: checks the "
                         "script in seconds")
+    parser.add_argument("--profile", action="store_true", help="profile one more step per row: kernels launched, ops "
+                        "dispatched from Python, interpreter waits, and the traced graphs' operators")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one row in this process
     args = parser.parse_args()
     names = args.rows.split(",")

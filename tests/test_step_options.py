@@ -116,10 +116,11 @@ def test_amp_learns_like_float32(tiny_config, engine_kernels, synchronous_engine
     assert mixed == pytest.approx(full, rel=0.1)
 
 
+@pytest.mark.parametrize("trace", [False, True], ids=["eager", "traced"])
 def test_an_overflow_skips_exactly_that_update_halves_the_scale_and_is_logged(tiny_config, tiny_images,
-                                                                               engine_kernels, tmp_path, capsys):
-    run = TrainingRun(tiny_config(amp=True, logdir=str(tmp_path), total_steps=3, log_every=1), tiny_images(32),
-                      progress=False)
+                                                                               engine_kernels, tmp_path, capsys, trace):
+    run = TrainingRun(tiny_config(amp=True, trace=trace, dropout=0.0, logdir=str(tmp_path), total_steps=3,
+                                  log_every=1), tiny_images(32), progress=False)
     trainer = run.trainer
     original_step = trainer.step
 
@@ -330,6 +331,17 @@ def test_a_traced_runs_checkpoint_resumes_eagerly_and_back(tiny_config, tiny_ima
     exact = first == then
     assert_states_close(full_state(resumed.trainer), full_state(straight.trainer), rtol=0 if exact else 1e-5,
                         atol=0 if exact else 1e-6)
+
+
+def test_a_megengine_step_reads_the_device_once(tiny_config, engine_kernels, monkeypatch):
+    """The loss and the gradient norm reach the host in one read, the step's only synchronisation: every other value
+    of the step stays on the device."""
+    trainer = Trainer(tiny_config(), engine="megengine")
+    trainer.step(toy_batch())
+    reads, original = [], mge.Tensor.numpy
+    monkeypatch.setattr(mge.Tensor, "numpy", lambda tensor: reads.append(tensor.shape) or original(tensor))
+    trainer.step(toy_batch(seed=1))
+    assert len(reads) == 1 and reads[0][0] == 2  # the loss and the norm, stacked
 
 
 # Options where they cannot work

@@ -5,8 +5,8 @@ loss and the gradient norm, as floats; the gradients stay inside), then ``update
 - ``CpuEngine`` (the CPU engine, ``megdiffusion.cpu.choice``): the gradients from the numpy pass (``cpu.native``)
   where it implements the setup (``"numpy"``), else from MegEngine's autodiff with the CPU convolutions
   (``"cpu_autodiff"``); the update in numpy on flat buffers (``cpu.flat_update``).
-- ``DeviceEngine`` (``"megengine"``: GPUs, or ``MEGDIFFUSION_FAST_CONV=0``): MegEngine's autodiff (``EngineSource``:
-  eager or traced, float32 or mixed precision) and MegEngine's update on the device.
+- ``DeviceEngine`` (``"megengine"``: GPUs, or ``MEGDIFFUSION_FAST_CONV=0``): MegEngine's autodiff (``EngineSource``,
+  float32 or mixed precision) and MegEngine's update on the device, eager or as two traced graphs (``--trace``).
 
 Every source takes the batch in micro-batches (``--microbatch``) and gives the gradient of the whole batch's mean loss.
 """
@@ -57,47 +57,47 @@ class EngineSource:
 
     ``amp``: the forward and the loss under ``megengine.amp.autocast`` (float16 convolutions and matmuls; MegEngine
     keeps GroupNorm in float32, the UNet its softmax and time embedding) and the backward of the loss times the
-    loss scale. ``traced``: each micro-batch's forward and backward runs as one ``jit.trace(symbolic=True)`` graph
-    (every micro-batch has the same shapes); the gradients are summed outside it. Tracing runs the first call
-    eagerly, whose rounding differs from the compiled graph's, so that call's result is dropped and the graph run
-    again: every step then comes from the compiled graph, and a resumed run continues bit for bit.
+    loss scale.
     """
 
-    def __init__(self, model, diffusion, params, grad_manager, amp=False, traced=False):
+    def __init__(self, model, diffusion, params, grad_manager, amp=False):
         self.model, self.diffusion, self.params, self.grad_manager = model, diffusion, params, grad_manager
         self.amp = amp
-        self._piece = trace(self._piece_gradients, symbolic=True) if traced else self._piece_gradients
-        self._untraced = traced  # the graph is traced by its first call
+
+    def inputs(self, x0, draws, rows):
+        """Seed dropout with the step's seed and put the network in training mode; the per-micro-batch arguments of
+        ``batch`` for the batch ``x0`` with its ``draws`` cut into ``rows``."""
+        mge.random.seed(draws.dropout_seed)
+        if not self.model.training:  # walking MegEngine's module tree is a large share of a small model's step
+            self.model.train()
+        pieces = []
+        for piece in rows:
+            part = draws.piece(piece)
+            pieces.append([mge.tensor(x0[piece]), mge.tensor(part.t), mge.tensor(part.noise),
+                           None if part.perturbation is None else mge.tensor(part.perturbation),
+                           None if part.labels is None else mge.tensor(part.labels)])
+        return pieces
+
+    def batch(self, pieces, batch_size, scale):
+        """The batch's mean loss over ``batch_size`` samples and its gradients times ``scale`` (a list in ``params``
+        order; None for a parameter without one), summed over the micro-batches ``pieces`` (``inputs``)."""
+        loss, total = None, None
+        for args in pieces:
+            for param in self.params:
+                param.grad = None
+            piece_loss, grads = self._piece_gradients(*args, scale, batch_size=batch_size)
+            loss = piece_loss if loss is None else loss + piece_loss
+            total = list(grads) if total is None else [g if a is None else a if g is None else a + g
+                                                       for a, g in zip(total, grads)]
+        return loss, total
 
     def __call__(self, x0, draws, rows, loss_scale=1.0):
         """The batch's mean loss (a scalar tensor, on the device); its gradient times ``loss_scale`` is left in
         the parameters' ``.grad``. ``x0``, ``draws`` and ``rows`` as ``native.NativeStep.batch_gradients``'."""
-        mge.random.seed(draws.dropout_seed)
-        if not self.model.training:  # walking MegEngine's module tree is a large share of a small model's step
-            self.model.train()
-        loss, total = None, None
-        scale = mge.tensor(np.float32(loss_scale))
-        for piece in rows:
-            part = draws.piece(piece)
-            args = [mge.tensor(x0[piece]), mge.tensor(part.t), mge.tensor(part.noise)]
-            args += [None if part.perturbation is None else mge.tensor(part.perturbation),
-                     None if part.labels is None else mge.tensor(part.labels), scale]
-            if self._untraced:
-                self._fresh_piece(args, len(x0))  # traces the graph; its eager result is dropped
-                self._untraced = False
-            piece_loss, grads = self._fresh_piece(args, len(x0))
-            loss = piece_loss if loss is None else loss + piece_loss
-            total = list(grads) if total is None else [g if a is None else a if g is None else a + g
-                                                       for a, g in zip(total, grads)]
-        for param, grad in zip(self.params, total):
+        loss, grads = self.batch(self.inputs(x0, draws, rows), len(x0), mge.tensor(np.float32(loss_scale)))
+        for param, grad in zip(self.params, grads):
             param.grad = grad
         return loss
-
-    def _fresh_piece(self, args, batch_size):
-        """``_piece`` from parameters without gradients (a traced graph is the same on every call)."""
-        for param in self.params:
-            param.grad = None
-        return self._piece(*args, batch_size=batch_size)
 
     def _piece_gradients(self, x0, t, noise, perturbation, labels, scale, *, batch_size):
         """One micro-batch: its summed loss over ``batch_size`` and that loss's gradients times ``scale``."""
@@ -223,40 +223,91 @@ class CpuEngine(_Engine):
 
 
 class DeviceEngine(_Engine):
-    """MegEngine's kernels: gradients from ``source`` (an ``EngineSource``) into the parameters' ``.grad``; unscale,
-    clip, Adam and the EMA on the device. The loss and the gradient norm reach the host in one transfer, the step's
-    only synchronisation."""
+    """MegEngine's kernels: the gradients from ``source`` (an ``EngineSource``), unscaled, and their norm, then
+    clipping, Adam and the EMA, all on the device. The loss and the norm reach the host in one transfer, the step's
+    only synchronisation.
+
+    ``traced`` (``--trace``): each of the two halves runs as one ``jit.trace(symbolic=True)`` graph: the gradients of
+    every micro-batch, summed, unscaled, and their norm; then clipping, Adam and the EMA (the learning rate, the
+    bound and the decay enter as tensors, so one graph serves every step). Tracing runs a graph's first call eagerly,
+    whose rounding differs from the compiled graph's; that call's result is dropped (its update undone) and the graph
+    run again, so every step comes from the compiled graphs and a resumed run continues bit for bit.
+    """
+
+    def __init__(self, model, ema, optimizer, source, traced=False):
+        super().__init__(model, ema, optimizer, source)
+        self.ema_params = list(ema.parameters())
+        # The step's two halves: ``jit.trace`` objects under ``traced``, else the plain functions.
+        self.gradient_graph = trace(self._gradients_and_norm, symbolic=True) if traced else self._gradients_and_norm
+        self.update_graph = trace(self._clip_adam_ema, symbolic=True) if traced else self._clip_adam_ema
+        self._untraced = {"gradients": traced, "update": traced}  # a graph is traced by its first call
+        self._last = None  # the last gradients and their norm, on the device
 
     def gradients(self, x0, draws, rows, loss_scale=1.0):
         """The ``Gradients`` of ``draws`` on the batch ``x0`` in the micro-batches ``rows``, the backward run on the
         loss times ``loss_scale`` (``--amp``) and the gradients divided by it again."""
-        loss = self.source(x0, draws, rows, loss_scale)
-        with_grad = [param for param in self.params if param.grad is not None]
-        if loss_scale != 1.0:
-            inverse = mge.tensor(np.float32(1.0 / loss_scale))
-            for param in with_grad:
-                param.grad = param.grad * inverse
-        norms = [F.norm(param.grad.flatten()) for param in with_grad]  # ``clip_grad_norm``'s norm, op for op
-        self._norm = F.norm(F.concat(norms)) if len(norms) > 1 else norms[0]
-        loss_value, norm_value = (float(v) for v in F.stack([loss.astype("float32"), self._norm]).numpy())
+        pieces = self.source.inputs(x0, draws, rows)
+        args = [tensor for piece in pieces for tensor in piece]
+        args += [mge.tensor(np.float32(loss_scale)), mge.tensor(np.float32(1.0 / loss_scale))]
+        if self._untraced["gradients"]:
+            self.gradient_graph(*args, pieces=len(pieces), batch_size=len(x0))  # traces; the result is dropped
+            self._untraced["gradients"] = False
+        loss_and_norm, norm, *grads = self.gradient_graph(*args, pieces=len(pieces), batch_size=len(x0))
+        self._last = norm, grads
+        loss_value, norm_value = (float(v) for v in loss_and_norm.numpy())
         return Gradients(loss_value, norm_value)
+
+    def _gradients_and_norm(self, *args, pieces, batch_size):
+        """[loss and norm stacked, the norm, the gradients...] of the micro-batches in ``args`` (five tensors each,
+        ``EngineSource.inputs``), then the loss scale and its inverse."""
+        *inputs, scale, inverse = args
+        per_piece = len(inputs) // pieces
+        loss, grads = self.source.batch([inputs[i:i + per_piece] for i in range(0, len(inputs), per_piece)],
+                                        batch_size, scale)
+        for param in self.params:
+            param.grad = None
+        if self.source.amp:
+            grads = [grad * inverse for grad in grads]
+        norms = [F.norm(grad.flatten()) for grad in grads]  # ``clip_grad_norm``'s norm, op for op
+        norm = F.norm(F.concat(norms)) if len(norms) > 1 else norms[0]
+        return [F.stack([loss.astype("float32"), norm]), norm, *grads]
 
     def update(self, gradients, lr, max_norm, ema_decay):
         """Clip the last gradients to ``max_norm`` (``clip_grad_norm``'s rule), one Adam step at ``lr``, the EMA
         update with ``ema_decay``."""
-        self._set_lr(lr)
-        scale = F.minimum(max_norm / (self._norm + 1e-6), 1)
-        for param in self.params:
-            if param.grad is not None:
-                param.grad = param.grad * scale
+        norm, grads = self._last
+        args = [mge.tensor(np.float32(value)) for value in (lr, max_norm, ema_decay, 1.0 - ema_decay)]
+        args += [norm, *grads]
+        if self._untraced["update"]:
+            kept = self._state_tensors()
+            saved = [tensor.numpy() for tensor in kept]
+            self.update_graph(*args)  # traces; the update it applied is undone
+            for tensor, value in zip(kept, saved):
+                assign_(tensor, mge.tensor(value, device=tensor.device))
+            self._untraced["update"] = False
+        self.update_graph(*args)
+        self._set_lr(lr)  # the optimizer's state holds numbers (checkpoints), not the graph's tensor
+        self.discard()
+
+    def _clip_adam_ema(self, lr, max_norm, ema_decay, ema_weight, norm, *grads):
+        scale = F.minimum(max_norm / (norm + 1e-6), 1)
+        for param, grad in zip(self.params, grads):
+            param.grad = grad * scale
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
-        for ema_param, param in zip(self.ema.parameters(), self.params):
-            assign_(ema_param, ema_param * ema_decay + param * (1.0 - ema_decay))
-        self.optimizer.clear_grad()
+        for ema_param, param in zip(self.ema_params, self.params):
+            assign_(ema_param, ema_param * ema_decay + param * ema_weight)
+
+    def _state_tensors(self):
+        """Every tensor an update changes: the weights, the EMA weights and Adam's state."""
+        state = self.optimizer.state_dict(keep_var=True)["state"]
+        return self.params + self.ema_params + [state[i][key] for i in sorted(state) for key in sorted(state[i])]
 
     def discard(self):
         """Drop the last gradients without an update."""
         self.optimizer.clear_grad()
+        self._last = None
 
 
 def check_step_options(cfg, engine=None):
@@ -291,8 +342,8 @@ def make_engine(cfg, model, ema, diffusion, world_size=1, engine=None):
     params = list(model.parameters())
     optimizer = Adam(params, lr=cfg.lr)
     grad_manager = GradManager().attach(params, callbacks=distributed.allreduce_mean_callbacks(world_size))
-    source = EngineSource(model, diffusion, params, grad_manager, amp=cfg.amp, traced=cfg.trace)
+    source = EngineSource(model, diffusion, params, grad_manager, amp=cfg.amp)
     if engine == "megengine":
-        return DeviceEngine(model, ema, optimizer, source)
+        return DeviceEngine(model, ema, optimizer, source, traced=cfg.trace)
     return CpuEngine(model, ema, optimizer, source,
                      native.NativeStep(model, diffusion, params) if engine == "numpy" else None)
