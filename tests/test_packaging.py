@@ -49,6 +49,9 @@ def test_wheel_declares_entry_points_and_dependencies(wheel):
 @pytest.mark.parametrize("script, flag", [("train", "--batch_size"), ("sample", "--sampler"),
                                           ("fid", "--save_stats"), ("demo", "--minutes"), ("convert", "--ema"),
                                           ("nll", "--respacing"), ("prepare", "--labels"),
+                                          # the flags defined once for several commands (scripts/shared_flags.py)
+                                          ("sample", "--spacing:"), ("sample", "--guide_ckpt:"),
+                                          ("fid", "--guidance:"), ("demo", "--spacing:"), ("nll", "--ckpt:"),
                                           ("convert", "<auto|diffusers|pesser|pytorch_ddpm|"
                                                                    "megengine_port|improved_diffusion>")])
 def test_scripts_print_their_flags(script, flag):
