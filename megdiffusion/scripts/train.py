@@ -15,6 +15,7 @@ import sys
 
 from absl import app, flags
 
+from megdiffusion import environment
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.scripts.cli import (UsageError, check_flags_matter, given_on_command_line, megengine_failures,
                                       one_line_errors, parse_flags, parse_into, reject_arguments)
@@ -84,8 +85,9 @@ def read_recipe(argv):
 
 def run():
     """Console-script entry point."""
-    quiet_megengine()  # before a continued run's checkpoint is read
     with one_line_errors():
+        environment.check()  # before MegEngine reads its own variables, which it could crash on
+        quiet_megengine()  # before a continued run's checkpoint is read
         resumed = read_recipe(sys.argv)
     app.run(functools.partial(main, resumed=resumed), flags_parser=parse_flags)
 
