@@ -116,6 +116,14 @@ def test_megengine_backward_race():
     assert line["steps"] == 3 and line["device"].startswith("cpu") and line["distinct_results"] == 1
 
 
+@smoke("megengine_training_race.py")
+def test_megengine_training_race():
+    """Two runs of the same 3 steps on MegEngine's kernels end with the same weights."""
+    lines = [json_lines(run("megengine_training_race.py", "--steps", "3").stdout)[0] for _ in range(2)]
+    assert lines[0]["device"] == "cpu:default" and lines[0]["steps"] == 3
+    assert lines[0]["weights_sha256"] == lines[1]["weights_sha256"] and lines[0]["recomputed_steps"] == 0
+
+
 @smoke("vs_pytorch.py", "megdiffusion_side.py", "measurement.py")
 def test_vs_pytorch(tmp_path):
     """megdiffusion's side through its commands (``measurement.py`` times it); the whole comparison at its smallest
