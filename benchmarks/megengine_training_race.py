@@ -2,11 +2,11 @@
 
 Trains the tests' tiny UNet (8x8, one attention level) for ``--steps`` steps of ``Trainer.step`` on MegEngine's
 kernels (the engine ``megengine``, as with ``MEGDIFFUSION_FAST_CONV=0`` or on a GPU) from the same seed and batches,
-with the tensors on the CPU comp node ``--device``: ``cpu:default`` (what megdiffusion uses on a CPU-only machine,
-``compat.CPU_COMP_NODE``) or ``cpux`` (MegEngine's default, where its backward races:
-``megengine_backward_race.py``). Run several at once: equal ``weights_sha256`` across runs of one device means the
-run is deterministic there; ``recomputed_steps`` counts steps whose gradients came out non-finite once (the
-trainer's guard recomputes them), a race caught in the act.
+with the tensors on the CPU comp node ``--device``: ``cpux`` (MegEngine's default, where its backward races:
+``megengine_backward_race.py``) or ``cpu:default`` (kernels run by the interpreter's worker). Run several at
+once: equal ``weights_sha256`` across runs of one device means the run is deterministic there; ``recomputed_steps``
+counts steps whose gradients came out non-finite once (the trainer's guard recomputes them), a race caught in the
+act.
 
     for i in 1 2 3; do python benchmarks/megengine_training_race.py --device cpux & done; wait
     for i in 1 2 3; do python benchmarks/megengine_training_race.py --device cpu:default & done; wait
@@ -35,7 +35,7 @@ TINY = dict(image_size=8, image_channels=1, model_channels=32, channel_mult=(1, 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--device", choices=("cpux", "cpu:default"), default="cpu:default")
+    parser.add_argument("--device", choices=("cpux", "cpu:default"), default="cpux")
     args = parser.parse_args()
     from megdiffusion.training.config import TrainConfig
     from megdiffusion.training.trainer import Trainer

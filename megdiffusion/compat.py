@@ -159,19 +159,6 @@ def _clear_dtr_candidates(megengine):
     clear_candidates()
 
 
-# MegEngine's CPU comp node without a worker queue of its own: the interpreter's worker runs the kernels. On the default
-# ``cpux`` (a second queue) MegEngine's backward returned different gradients for the same inputs now and then;
-# here it did not, and was faster (benchmarks/README.md, "MegEngine's CPU backward race").
-CPU_COMP_NODE = "cpu:default"
-
-
-def use_cpu_comp_node(megengine):
-    """Run MegEngine's tensors on ``CPU_COMP_NODE`` from now on (``set_default_device`` refuses the name)."""
-    from megengine.core._imperative_rt.common import CompNode
-
-    CompNode._set_default_device(CPU_COMP_NODE)
-
-
 def cuda_driver_loadable():
     """Whether the CUDA driver library (what MegEngine loads to find GPUs) loads, without MegEngine."""
     try:
@@ -196,8 +183,6 @@ def quiet_megengine():
             import megengine
             import megengine.distributed  # noqa: F401
 
-            if megengine.get_default_device() == "xpux" and not megengine.is_cuda_available():
-                use_cpu_comp_node(megengine)
             _clear_dtr_candidates(megengine)
             megengine.tensor([0.0]).numpy()
         idle_event_polling()

@@ -9,7 +9,7 @@ checks, the CUDA probe), and a CUDA context does not survive ``fork``.
 """
 import multiprocessing
 
-from megdiffusion.compat import cuda_available, quiet_megengine, use_cpu_comp_node
+from megdiffusion.compat import cuda_available, quiet_megengine
 from megdiffusion.errors import MegdiffusionError
 
 
@@ -73,7 +73,6 @@ def allreduce_mean_callbacks(world_size):
 
 
 def select_device(cfg):
-    """Pin MegEngine to the CPU for ``--device cpu`` (``compat.CPU_COMP_NODE``); otherwise keep its default (a GPU
-    when present)."""
+    """Pin MegEngine to the CPU for ``--device cpu``; otherwise keep its default (a GPU when present)."""
     if cfg.device == "cpu":
-        use_cpu_comp_node(quiet_megengine())
+        quiet_megengine().set_default_device("cpux")
