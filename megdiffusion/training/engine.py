@@ -168,7 +168,7 @@ class Modules(NamedTuple):
 class _Engine:
     def __init__(self, model, ema, optimizer, source):
         self.model, self.ema, self.optimizer, self.source = model, ema, optimizer, source
-        self.params = list(model.parameters())
+        self.params, self.ema_params = list(model.parameters()), list(ema.parameters())
 
     def _set_lr(self, lr):
         for group in self.optimizer.param_groups:
@@ -192,7 +192,7 @@ class CpuEngine(_Engine):
         self.flat = self._flat_update()
 
     def _flat_update(self):
-        return FlatUpdate(self.params, list(self.ema.parameters()), self.optimizer)
+        return FlatUpdate(self.params, self.ema_params, self.optimizer)
 
     def gradients(self, x0, draws, rows, loss_scale=1.0):
         """The ``Gradients`` of ``draws`` on the batch ``x0`` in the micro-batches ``rows`` (``loss_scale``: 1, as
@@ -236,7 +236,6 @@ class DeviceEngine(_Engine):
 
     def __init__(self, model, ema, optimizer, source, traced=False):
         super().__init__(model, ema, optimizer, source)
-        self.ema_params = list(ema.parameters())
         # The step's two halves: ``jit.trace`` objects under ``traced``, else the plain functions.
         self.gradient_graph = trace(self._gradients_and_norm, symbolic=True) if traced else self._gradients_and_norm
         self.update_graph = trace(self._clip_adam_ema, symbolic=True) if traced else self._clip_adam_ema
@@ -293,8 +292,7 @@ class DeviceEngine(_Engine):
         scale = F.minimum(max_norm / (norm + 1e-6), 1)
         for param, grad in zip(self.params, grads):
             param.grad = grad * scale
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self._set_lr(lr)  # a tensor: one graph serves every learning rate
         self.optimizer.step()
         for ema_param, param in zip(self.ema_params, self.params):
             assign_(ema_param, ema_param * ema_decay + param * ema_weight)
