@@ -313,7 +313,8 @@ def _published_configs():
 def test_published_models_record_their_schedule_and_variance(unet, scheduler):
     network, diffusion = diffusers.check_diffusers_config(unet), diffusers.check_scheduler_config(scheduler)
     [published] = [p for p in PUBLISHED if p.family == "ddpm" and p.channel_mult == network["channel_mult"]]
-    assert diffusion == {"num_timesteps": 1000, "mean_type": "eps", "var_type": published.var_type}
+    assert diffusion == {"num_timesteps": 1000, "beta_schedule": "linear", "mean_type": "eps",
+                         "var_type": published.var_type}
     assert published.var_type == {32: "fixedlarge", 256: "fixedsmall"}[network["image_size"]]  # Ho et al.
     assert network["downsample_padding"] == "bottom_right" and network["norm_eps"] == 1e-6
 
@@ -325,9 +326,9 @@ def test_scheduler_predictions_map_to_mean_types(prediction, mean_type):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(beta_schedule="scaled_linear"), "only the linear schedule converts"),
+    (dict(beta_schedule="scaled_linear"), "the linear and squaredcos_cap_v2 schedules convert"),
     (dict(beta_end=0.01), "are not megdiffusion's linear schedule"),
-    (dict(variance_type="learned_range"), "variance_type='learned_range'"),
+    (dict(variance_type="learned"), "variance_type='learned'"),  # diffusers' is a variance, ours a log variance
     (dict(prediction_type="flow"), "prediction_type='flow'"),
     (dict(clip_sample=False), "does not clip x_0"),
 ])
@@ -340,10 +341,10 @@ DROP = object()  # a key left out of config.json
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(flip_sin_to_cos=True), "flip_sin_to_cos=True; Ho's network needs False"),
+    (dict(flip_sin_to_cos=True), "flip_sin_to_cos=True, freq_shift=1; megdiffusion has"),
     (dict(freq_shift=0), "freq_shift=0"),
-    (dict(attention_head_dim=8), "attention_head_dim=8: multi-head attention"),
-    (dict(attention_head_dim=DROP), "attention_head_dim=8: multi-head attention"),  # diffusers' default
+    (dict(attention_head_dim=48), "attention_head_dim=48, which does not divide the attended channels"),
+    (dict(attention_head_dim=DROP, block_out_channels=[128, 256, 256, 260]), "attention_head_dim=8, which"),
     (dict(act_fn="gelu"), "act_fn='gelu'"),
     (dict(up_block_types=["UpBlock2D"] * 4), "do not mirror down_block_types"),
     (dict(down_block_types=["DownBlock2D", "ResnetDownsampleBlock2D", "DownBlock2D", "DownBlock2D"]),
@@ -351,10 +352,22 @@ DROP = object()  # a key left out of config.json
     (dict(upcast_attention=True), "keys this converter does not know: upcast_attention"),
     (dict(downsample_padding=2), "downsample_padding=2"),
 ])
-def test_unet_configs_that_are_not_hos_network_are_refused(change, message):
+def test_unet_configs_megdiffusion_does_not_compute_are_refused(change, message):
     config = {key: value for key, value in {**_published_configs()[0][0], **change}.items() if value is not DROP}
     with pytest.raises(formats.ConvertError, match=message):
         diffusers.check_diffusers_config(config)
+
+
+@pytest.mark.parametrize("change, heads", [
+    (dict(attention_head_dim=None), dict(num_heads=1, num_head_channels=0)),  # Ho's: one head as wide as the block
+    (dict(attention_head_dim=DROP), dict(num_heads=32, num_head_channels=0)),  # diffusers' default 8, all blocks 256
+    (dict(attention_head_dim=64, down_block_types=["AttnDownBlock2D"] + ["DownBlock2D"] * 3,
+          up_block_types=["UpBlock2D"] * 3 + ["AttnUpBlock2D"]), dict(num_heads=1, num_head_channels=64)),  # 128, 256
+])
+def test_attention_head_dim_is_channels_per_head(change, heads):
+    config = {key: value for key, value in {**_published_configs()[0][0], **change}.items() if value is not DROP}
+    network = diffusers.check_diffusers_config(config)
+    assert {key: network[key] for key in heads} == heads
 
 
 # --- the scripts, and runs started from converted weights ---------------------------------------------------

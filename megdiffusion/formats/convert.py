@@ -32,9 +32,10 @@ class Source:
 
 def _state_dict(obj, ema, path):
     """The state dict to convert in a loaded file, and its name: the file itself, or with raw and EMA weights
-    (pytorch-ddpm's ``net_model``/``ema_model``, the port's ``model``/``ema_model``) the one ``ema`` picks."""
+    (pytorch-ddpm's ``net_model``/``ema_model``, the port's ``model``/``ema_model``) the one ``ema`` picks (None: the
+    EMA weights where a file has both, else its one set)."""
     if isinstance(obj, dict) and "ema_model" in obj:
-        key = "ema_model" if ema else ("net_model" if "net_model" in obj else "model")
+        key = "ema_model" if ema or ema is None else ("net_model" if "net_model" in obj else "model")
         state = obj.get(key)
     elif ema:
         raise ConvertError(f"{path} holds one set of weights; --ema picks the EMA weights of files that hold both "

@@ -8,13 +8,14 @@ from megdiffusion.formats import ConvertError
 
 # megdiffusion's modules outside the levels; each layout names them in this order.
 _FIXED = ("temb_dense0", "temb_dense1", "conv_in", "mid_block1", "mid_attn", "mid_block2", "norm_out", "conv_out")
+CLASS_EMBEDDING = "class_emb"  # a class-conditional network's, named only by the formats that have one
 
 
 def _parse(name):
     """``(place, sub-layer, parameter)`` of one of megdiffusion's UNet parameter names. A place is a module of
     ``_FIXED``, or ("block" | "attn" | "resample", "down" | "up", level, index within the level)."""
     *module, param = name.split(".")
-    if module[0] in _FIXED:
+    if module[0] in _FIXED + (CLASS_EMBEDDING,):
         return module[0], (module[1] if len(module) > 1 else None), param
     path, level, part = module[0], int(module[1]), module[2]
     if part in ("downsample", "upsample"):
@@ -73,6 +74,7 @@ class Layout:
     attn: dict
     table: Optional[str] = None  # the stored time-embedding table: checked, not mapped
     fused_qkv: bool = False  # q, k and v are parts of one projection (``qkv_part``)
+    class_emb: Optional[str] = None  # the class embedding (``CLASS_EMBEDDING``), in the formats that have one
 
 
 _OURS_BLOCK = ("norm1", "conv1", "temb_proj", "norm2", "conv2", "skip")
@@ -92,7 +94,8 @@ LAYOUTS = {
                      _pesser_stage, dict(zip(_OURS_BLOCK, _OURS_BLOCK[:5] + ("nin_shortcut",))),
                      dict(zip(_OURS_ATTN, _OURS_ATTN))),
     "diffusers": Layout(_DIFFUSERS_FIXED, _diffusers_stage, _DIFFUSERS_BLOCK,
-                        dict(zip(_OURS_ATTN, ("group_norm", "to_q", "to_k", "to_v", "to_out.0")))),
+                        dict(zip(_OURS_ATTN, ("group_norm", "to_q", "to_k", "to_v", "to_out.0"))),
+                        class_emb="class_embedding"),
     "diffusers_legacy_attn": Layout(_DIFFUSERS_FIXED, _diffusers_stage, _DIFFUSERS_BLOCK,
                                     dict(zip(_OURS_ATTN, ("group_norm", "query", "key", "value", "proj_attn")))),
     "pytorch_ddpm": Layout(_FLAT_FIXED, _flat_stage, dict(zip(_OURS_BLOCK, _FLAT_BLOCK + ("shortcut",))), _FLAT_ATTN,
@@ -115,7 +118,11 @@ def source_name(layout, name, levels, blocks, attention_levels=()):
     with ``blocks`` residual blocks per level on the way down, and attention at ``attention_levels``."""
     place, sub, param = _parse(name)
     names = LAYOUTS[layout]
-    if isinstance(place, str):
+    if place == CLASS_EMBEDDING:
+        if names.class_emb is None:
+            raise ConvertError(f"the {layout} format has no class embedding (a class-conditional network)")
+        parts, is_attn = [names.class_emb], False
+    elif isinstance(place, str):
         parts, is_attn = [names.fixed[place]], place == "mid_attn"
     else:
         parts, is_attn = [names.stage(*place, levels, blocks, attention_levels)], place[0] == "attn"

@@ -52,6 +52,16 @@ def silu(x):
     return x * F.sigmoid(x)
 
 
+def timestep_frequencies(dim, kind=TIME_EMBEDDING):
+    """The dim / 2 frequencies (float32) of ``timestep_embedding``, made in float64 and rounded once."""
+    if dim % 2 or dim < 4:
+        raise ValueError(f"timestep embedding dim must be even and >= 4, got {dim}")
+    half = dim // 2
+    steps = np.arange(half, dtype=np.float64)
+    exponents = {"ho": steps / (half - 1), "pytorch_ddpm": 2 * steps / dim, "iddpm": steps / half}[kind]
+    return np.exp(-math.log(10000.0) * exponents).astype(np.float32)
+
+
 def timestep_embedding(t, dim, kind=TIME_EMBEDDING):
     """The sinusoidal embedding of integer (or fractional) timesteps ``t`` (shape (N,)) -> (N, dim).
 
@@ -61,13 +71,7 @@ def timestep_embedding(t, dim, kind=TIME_EMBEDDING):
     exp(-log(10000) * i / half), then [cos, sin]. Computed per call: the table is not a parameter and never
     reaches a checkpoint.
     """
-    if dim % 2 or dim < 4:
-        raise ValueError(f"timestep embedding dim must be even and >= 4, got {dim}")
-    half = dim // 2
-    steps = np.arange(half, dtype=np.float64)
-    exponents = {"ho": steps / (half - 1), "pytorch_ddpm": 2 * steps / dim, "iddpm": steps / half}[kind]
-    freqs = np.exp(-math.log(10000.0) * exponents)
-    args = F.expand_dims(t.astype("float32"), 1) * Tensor(freqs[None, :].astype(np.float32))
+    args = F.expand_dims(t.astype("float32"), 1) * Tensor(timestep_frequencies(dim, kind)[None, :])
     if kind == "ho":
         return F.concat([F.sin(args), F.cos(args)], axis=1)
     if kind == "iddpm":
