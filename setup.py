@@ -22,13 +22,17 @@ setup(
     # numba 0.61.2 and llvmlite 0.44 (below) start at CPython 3.10; MegEngine's wheels (1.13) stop at 3.10.
     python_requires=">=3.10,<3.11",
     # oneDNN's JIT convolutions for CPU training (megdiffusion.cpu.onednn); elsewhere the numpy kernels run.
-    install_requires=["megengine>=1.9", "numpy<2", "absl-py", "tqdm", "pillow", "threadpoolctl>=3",
+    # safetensors: scripts.export's diffusers weights.
+    install_requires=["megengine>=1.9", "numpy<2", "absl-py", "tqdm", "pillow", "threadpoolctl>=3", "safetensors",
                       "onednn-cpu-gomp==2023.2.0; sys_platform == 'linux' and platform_machine == 'x86_64'",
                       # The numpy pass's GroupNorm, SiLU and softmax kernels (megdiffusion.cpu.fused); without it the
                       # numpy layers run.
                       "numba==0.61.2", "llvmlite==0.44.0"],
     extras_require={
-        "dev": ["pytest", "pytest-xdist==3.8.0", "scipy", "wheel", "ruff>=0.17,<0.18", "lmdb"],
+        "dev": ["pytest", "pytest-xdist==3.8.0", "scipy", "wheel", "ruff>=0.17,<0.18", "lmdb", "onnx==1.17.0",
+                "onnxruntime==1.20.1"],
+        # scripts.export --to onnx, at the version its graphs were checked with (tests: onnxruntime 1.20.1).
+        "onnx": ["onnx==1.17.0"],
         # scripts.prepare reads LSUN's LMDB with it.
         "lmdb": ["lmdb"],
         "tensorboard": ["tensorboardX"],
@@ -46,6 +50,7 @@ setup(
             "megdiffusion-convert=megdiffusion.scripts.convert:run",
             "megdiffusion-nll=megdiffusion.scripts.nll:run",
             "megdiffusion-prepare=megdiffusion.scripts.prepare:run",
+            "megdiffusion-export=megdiffusion.scripts.export:run",
         ]
     },
 )

@@ -8,11 +8,15 @@ limit_worker_spin()  # before any module of the package imports MegEngine
 empty_dtr_candidates()
 keep_fastrun_cache_in_memory()
 
-__all__ = ["UNet", "GaussianDiffusion", "make_beta_schedule"]
+__all__ = ["load", "Model", "UNet", "GaussianDiffusion", "make_beta_schedule"]
 
 
 def __getattr__(name):
     # Lazy exports: importing the package (e.g. for --help) does not load MegEngine.
+    if name in ("load", "Model"):
+        from megdiffusion.sampling import model
+
+        return getattr(model, name)
     if name == "UNet":
         from megdiffusion.nn import UNet
 

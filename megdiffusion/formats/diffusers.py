@@ -234,3 +234,26 @@ def diffusers_tensors(cfg, weights):
         tensors[source_name("diffusers", name, levels, cfg.num_res_blocks, attention_levels)] = \
             np.ascontiguousarray(array, np.float32)
     return tensors
+
+
+def write_diffusers(cfg, weights, path):
+    """Write ``weights`` (a state dict of ``cfg``'s network) as a diffusers ``DDPMPipeline`` directory at ``path``:
+    ``model_index.json``, ``unet/`` (config.json, diffusion_pytorch_model.safetensors) and ``scheduler/``
+    (scheduler_config.json), all or nothing; ``ConvertError`` for a network diffusers cannot describe."""
+    from safetensors.numpy import save_file
+
+    from megdiffusion.fileio import atomic_directory
+
+    unet, scheduler = diffusers_configs(cfg)
+    tensors = diffusers_tensors(cfg, weights)
+    index = {"_class_name": "DDPMPipeline", "_diffusers_version": DIFFUSERS_VERSION,
+             "scheduler": ["diffusers", "DDPMScheduler"], "unet": ["diffusers", "UNet2DModel"]}
+    with atomic_directory(path) as tmp:
+        for name in ("unet", "scheduler"):
+            os.mkdir(os.path.join(tmp, name))
+        for file, value in (("model_index.json", index), ("unet/config.json", unet),
+                            ("scheduler/scheduler_config.json", scheduler)):
+            with open(os.path.join(tmp, file), "w") as f:
+                json.dump(value, f, indent=2)
+                f.write("\n")
+        save_file(tensors, os.path.join(tmp, "unet", DIFFUSERS_WEIGHTS[0]), metadata={"format": "pt"})

@@ -212,8 +212,11 @@ def write_onnx(model, path, opset=17):
     17): inputs ``x`` float32 (N, C, H, W), ``t`` float32 (N,) timesteps as the network sees them (fractional
     allowed), and for a class-conditional network ``y`` int32 (N,) (label -1 = no class: adds no class embedding);
     output ``out`` float32 (N, out_channels, H, W); N is a dynamic dimension."""
-    import onnx
-    from onnx import TensorProto, helper
+    try:
+        import onnx
+        from onnx import TensorProto, helper
+    except ImportError:
+        raise ConvertError("writing ONNX needs the onnx package: pip install 'megdiffusion[onnx]'") from None
 
     from megdiffusion.nn import UNet
 

@@ -18,8 +18,8 @@ from megdiffusion.errors import MegdiffusionError
 from megdiffusion.fileio import output_directory, save_npz, write_text
 from megdiffusion.diffusion.generation import Autoguidance, check_class_label, generate_images
 from megdiffusion.images import make_grid, read_image, save_png
+from megdiffusion.sampling.model import load
 from megdiffusion.training import checkpoint, distributed
-from megdiffusion.training.config import build_diffusion, build_model
 
 MANIFEST = "manifest.json"
 
@@ -101,17 +101,11 @@ def sample_share(job, loaded=None, guidance=None):
 
 
 def load_model(ckpt_or_logdir, ema=True):
-    """The trained network of a checkpoint file, or of a run's logdir (its newest checkpoint).
-
-    Returns ``(model, diffusion, cfg, step)``: the model in eval mode with the EMA weights (``ema=False``:
-    the raw ones) and the run's ``TrainConfig``. Raises ``CheckpointError``.
-    """
-    state, path = checkpoint.load_file_or_newest(ckpt_or_logdir)
-    cfg = checkpoint.config_of(state, path)
-    model = build_model(cfg)
-    checkpoint.load_weights(model, state["ema" if ema else "model"], path)
-    model.eval()
-    return model, build_diffusion(cfg), cfg, state["step"]
+    """The network of anything ``megdiffusion.load`` reads (a checkpoint file, a run's logdir: its newest checkpoint,
+    a ``.mge`` graph, a published checkpoint) as ``(network, diffusion, cfg, step)``: the network in eval mode with
+    the EMA weights (``ema=False``: the raw ones) and the run's ``TrainConfig``."""
+    model = load(ckpt_or_logdir, ema)
+    return model.network, model.diffusion, model.config, model.step
 
 
 def load_guidance(guide_ckpt, weight, cfg, ema=True, unconditional=False):

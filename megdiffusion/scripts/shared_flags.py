@@ -28,6 +28,7 @@ OWN_FLAGS = {
     ("demo", "guidance"): "the demo guides with its own earlier checkpoint, at its protocol's weight (2.5)",
     ("demo", "output"): "the demo's own directory (default runs/demo); sample's must be given",
     ("demo", "resume"): "continues the demo's training and scores again",
+    ("export", "batch_size"): "the batch the .mge graph is traced at (it runs at any batch)",
     ("convert", "ema"): "picks the weights of a file that holds two sets; most published files hold one, so raw",
     **{("convert", name): "describes a published file's network where the file does not (default: read from it)"
        for name in ("image_size", "num_timesteps", "norm_groups", "num_heads", "var_type", "beta_schedule")},
@@ -39,7 +40,13 @@ OWN_FLAGS = {
 def define_model_flags():
     """--ckpt and --ema: the model a command samples or scores."""
     flags.DEFINE_string("ckpt", None, "The model: a checkpoint file (a converted published one too), or a run's "
-                        "logdir, whose newest checkpoint that loads is used.")
+                        "logdir, whose newest checkpoint that loads is used; or a .mge graph of scripts.export, or any "
+                        "checkpoint scripts.convert reads (converted in memory).")
+    define_ema_flag()
+
+
+def define_ema_flag():
+    """--ema: which weights of a checkpoint."""
     flags.DEFINE_bool("ema", True, "Use the EMA weights (--noema: the raw training weights).")
 
 
@@ -123,5 +130,5 @@ def define_progress_flag():
 
 def define_overwrite_flag():
     """--overwrite of a command that writes one file."""
-    flags.DEFINE_bool("overwrite", False, "Replace the output file when it exists (convert's OUT, prepare's DEST, "
-                      "fid --save_stats's OUT.npz).")
+    flags.DEFINE_bool("overwrite", False, "Replace the output when it exists (convert's and export's OUT, prepare's "
+                      "DEST, fid --save_stats's OUT.npz).")

@@ -1,0 +1,175 @@
+"""A trained model as a Python object: ``megdiffusion.load(path)``.
+
+``load`` reads a megdiffusion checkpoint, a run's directory (its newest checkpoint), a graph written by
+``scripts.export --to mge``, or any checkpoint ``scripts.convert`` reads (converted in memory). The ``Model`` it
+returns says what it is, is called on numpy arrays (``model(x, t, y)``: the raw network output) and samples images
+(``model.sample``) as the scripts do.
+"""
+import os
+
+import numpy as np
+
+from megdiffusion.errors import MegdiffusionError
+
+
+class LoadError(MegdiffusionError):
+    """A path that holds no model megdiffusion can load; the message is one line that says why."""
+
+
+class Model:
+    """A denoising network and its diffusion. ``network`` is called as the samplers call it (MegEngine tensors);
+    ``config`` is the run's ``TrainConfig``, ``step`` its training step, ``weights`` "ema", "raw" or "published" (a
+    published file's one set), ``source`` where it came from (a file, and for a converted one its format)."""
+
+    def __init__(self, network, config, step=0, weights="ema", source=None):
+        from megdiffusion.training.config import build_diffusion
+
+        self.network, self.config, self.step, self.weights = network, config, step, weights
+        self.source = source or {}
+        self.diffusion = build_diffusion(config)
+
+    image_size = property(lambda self: self.config.image_size, doc="Height and width of the images, in pixels.")
+    image_channels = property(lambda self: self.config.image_channels, doc="Channels of the images (3: RGB).")
+    num_classes = property(lambda self: self.config.num_classes, doc="Classes it is conditioned on (0: none).")
+    num_timesteps = property(lambda self: self.config.num_timesteps, doc="Diffusion steps T it was trained with.")
+    beta_schedule = property(lambda self: self.config.beta_schedule, doc="The beta schedule's name.")
+    mean_type = property(lambda self: self.config.mean_type, doc="What the network predicts: eps, xstart or v.")
+    var_type = property(lambda self: self.config.var_type, doc="The sampling variance: fixed, or learned.")
+
+    @property
+    def out_channels(self):
+        """Channels of the network's output: the image channels, twice them with a learned variance."""
+        return self.image_channels * (2 if self.diffusion.learns_variance else 1)
+
+    @property
+    def deployed(self):
+        """Whether the network is an exported graph (``.mge``) rather than MegEngine modules."""
+        from megdiffusion.nn import UNet
+
+        return not isinstance(self.network, UNet)
+
+    def state_dict(self):
+        """The network's weights, ``{name: float32 array}`` in the network's order (a deployed graph has none)."""
+        if self.deployed:
+            raise ValueError(f"{self.source.get('file')} is a deployed graph: its weights are folded into it")
+        return {name: np.asarray(value) for name, value in self.network.state_dict().items()}
+
+    def __repr__(self):
+        classes = f", {self.num_classes} classes" if self.num_classes else ""
+        return (f"Model({self.image_size}x{self.image_size}x{self.image_channels}{classes}, T={self.num_timesteps} "
+                f"{self.beta_schedule}, predicts {self.mean_type}, variance {self.var_type}, step {self.step}, "
+                f"{self.weights} weights{', deployed graph' if self.deployed else ''})")
+
+    def __call__(self, x, t, y=None):
+        """The network's output (float32, (N, out_channels, H, W)) at images ``x`` (N, C, H, W) and integer timesteps
+        ``t`` (0..T-1, one per image or one for all); ``y``: class labels of a class-conditional model (-1: none)."""
+        import megengine as mge
+
+        x = np.asarray(x, np.float32)
+        expected = (self.image_channels, self.image_size, self.image_size)
+        if x.ndim != 4 or x.shape[1:] != expected:
+            raise ValueError(f"x must be (N, {', '.join(map(str, expected))}), got {x.shape}")
+        t = _integers(t, "t", len(x))
+        if t.min() < 0 or t.max() >= self.num_timesteps:
+            raise ValueError(f"t must lie in 0..{self.num_timesteps - 1}, got {t.min()}..{t.max()}")
+        labels = {}
+        if self.num_classes:
+            if y is None:
+                raise ValueError(f"y (class labels 0..{self.num_classes - 1}, -1: none) is needed: the model is "
+                                 "class-conditional")
+            y = _integers(y, "y", len(x))
+            if y.min() < -1 or y.max() >= self.num_classes:
+                raise ValueError(f"y must lie in -1..{self.num_classes - 1}, got {y.min()}..{y.max()}")
+            labels["y"] = mge.tensor(y, dtype="int32")
+        elif y is not None:
+            raise ValueError("y given, but the model is unconditional")
+        return self.network(mge.tensor(x), self.diffusion.model_timesteps(t), **labels).numpy()
+
+    def sample(self, num_images=1, seed=0, sampler="ddpm", steps=None, eta=0.0, batch_size=64, class_label=None,
+               respacing=None, spacing=None, order=None, progress=False):
+        """``num_images`` images as uint8 (N, H, W, C), image i from (seed, i) exactly as ``scripts.sample`` draws it;
+        the sampler settings are ``scripts.sample``'s flags (``GaussianDiffusion.sample``)."""
+        from megdiffusion.diffusion.generation import generate_images
+        from megdiffusion.progress import progress_bar
+
+        with progress_bar(total=num_images, disable=not progress, desc="images") as bar:
+            return generate_images(self.network, self.diffusion, self.config.image_shape, range(num_images), seed,
+                                   sampler, steps, eta, batch_size, bar, respacing, class_label=class_label,
+                                   spacing=spacing, order=order)
+
+
+def _integers(values, name, count):
+    """``values`` (a scalar or ``count`` of them) as int64 (count,); ValueError when they are not integers."""
+    array = np.asarray(values)
+    if array.dtype.kind not in "iu" and not (array.dtype.kind == "f" and np.all(array == np.round(array))):
+        raise ValueError(f"{name} must be integers, got {array.dtype} values")
+    if array.ndim > 1 or array.ndim == 1 and len(array) != count:
+        raise ValueError(f"{name} must be one integer or {count} of them (one per image), got shape {array.shape}")
+    return np.broadcast_to(array.astype(np.int64), (count,))
+
+
+def load(path, ema=True):
+    """The model at ``path``: a megdiffusion checkpoint, a run's logdir (its newest checkpoint), a ``.mge`` graph of
+    ``scripts.export``, or a checkpoint ``scripts.convert`` reads (a diffusers directory, Ho's, pytorch-ddpm's,
+    improved-diffusion's, the MegEngine port's). ``ema``: the EMA weights where the file holds both (checkpoints
+    always do); ``False``: the raw ones. Raises ``LoadError`` (or the checkpoint's and converter's own errors)."""
+    from megdiffusion.compat import quiet_megengine
+    from megdiffusion.formats.mge_graph import is_mge
+    from megdiffusion.training import checkpoint
+
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise LoadError(f"no file or directory {path}")
+    quiet_megengine()
+    if os.path.isfile(path) and is_mge(path):
+        return _load_graph(path, ema)
+    state = None
+    if checkpoint.list_checkpoints(path):
+        state, path = checkpoint.load_file_or_newest(path)
+    elif os.path.isfile(path):
+        try:
+            state = checkpoint.load_checkpoint(path)
+        except checkpoint.CheckpointError:
+            pass  # not one of ours: a published format, which convert reads or names what is wrong
+    if state is None:
+        return _load_converted(path, ema)
+    cfg = checkpoint.config_of(state, path)
+    network = _network(cfg, state["ema" if ema else "model"], path)
+    return Model(network, cfg, state["step"], "ema" if ema else "raw",
+                 {"file": os.path.abspath(path), **(state.get("source") or {})})
+
+
+def _network(cfg, weights, path):
+    """``cfg``'s UNet with ``weights`` (a state dict read from ``path``), in eval mode."""
+    from megdiffusion.training.checkpoint import load_weights
+    from megdiffusion.training.config import build_model
+
+    network = build_model(cfg)
+    load_weights(network, weights, path)
+    network.eval()
+    return network
+
+
+def _load_converted(path, ema):
+    from megdiffusion.formats.convert import convert
+
+    cfg, weights, record = convert(path, ema=None if ema else False)
+    kind = record["weights"]  # the state dict's key in the file: ema_model, net_model, model, or "state dict"
+    weights_kind = "ema" if "ema" in kind else "raw" if kind in ("net_model", "model") else "published"
+    return Model(_network(cfg, weights, path), cfg, 0, weights_kind, record)
+
+
+def _load_graph(path, ema):
+    from megdiffusion.formats.mge_graph import DeployedNetwork, read_mge_info
+    from megdiffusion.training.config import ConfigError, TrainConfig, validate
+
+    info = read_mge_info(path)
+    try:
+        cfg = TrainConfig.from_dict(info["config"])
+        validate(cfg)
+    except (ConfigError, TypeError, KeyError) as err:
+        raise LoadError(f"{path} records an unusable config: {err}") from None
+    if not ema and info.get("weights") == "ema":
+        raise LoadError(f"{path} holds the EMA weights; export the checkpoint again with --noema for the raw ones")
+    return Model(DeployedNetwork(path, cfg.num_classes), cfg, info.get("step", 0), info.get("weights", "ema"),
+                 {"file": os.path.abspath(path), "exported_from": info.get("source")})
