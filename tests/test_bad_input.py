@@ -466,7 +466,7 @@ CASES = [
     ("39:run-with-pdb", "sample", [*SAMPLE, "--run_with_pdb"],
      "--run_with_pdb is absl's debugging flag, which megdiffusion does not support; run python -m pdb"),
     ("39:npz-as-checkpoint", "sample", [*SAMPLE, "--ckpt=data.npz"],
-     "UnpicklingError: A load persistent id instruction was encountered, but no persistent_load function"),
+     "data.npz is not a torch archive (expected one */data.pkl)"),
     ("39:path-with-a-newline", "sample", [*SAMPLE, "--ckpt=a\nb.pkl"], "no checkpoint file at a\\nb.pkl"),
     ("39:output-dangling-symlink", "sample", [*SAMPLE, "--output=dangling"],
      "dangling is a symbolic link to nowhere, which does not exist; create that or choose another --output"),

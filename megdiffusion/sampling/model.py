@@ -114,29 +114,42 @@ def load(path, ema=True):
     improved-diffusion's, the MegEngine port's). ``ema``: the EMA weights where the file holds both (checkpoints
     always do); ``False``: the raw ones. Raises ``LoadError`` (or the checkpoint's and converter's own errors)."""
     from megdiffusion.compat import quiet_megengine
+    from megdiffusion.formats import ConvertError
     from megdiffusion.formats.mge_graph import is_mge
     from megdiffusion.training import checkpoint
 
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise LoadError(f"no file or directory {path}")
     quiet_megengine()
     if os.path.isfile(path) and is_mge(path):
         return _load_graph(path, ema)
-    state = None
-    if checkpoint.list_checkpoints(path):
-        state, path = checkpoint.load_file_or_newest(path)
-    elif os.path.isfile(path):
-        try:
-            state = checkpoint.load_checkpoint(path)
-        except checkpoint.CheckpointError:
-            pass  # not one of ours: a published format, which convert reads or names what is wrong
-    if state is None:
+    if (os.path.isfile(path) and _published_file(path)
+            or os.path.isdir(path) and not checkpoint.list_checkpoints(path) and _diffusers_directory(path)):
         return _load_converted(path, ema)
+    try:
+        state, path = checkpoint.load_file_or_newest(path)  # missing paths and empty logdirs get its errors
+    except checkpoint.CheckpointError as not_ours:
+        if not os.path.isfile(path):
+            raise
+        try:  # a plain pickle that is not ours, such as the MegEngine port's .pkl files
+            return _load_converted(path, ema)
+        except ConvertError:
+            raise not_ours from None
     cfg = checkpoint.config_of(state, path)
     network = _network(cfg, state["ema" if ema else "model"], path)
     return Model(network, cfg, state["step"], "ema" if ema else "raw",
                  {"file": os.path.abspath(path), **(state.get("source") or {})})
+
+
+def _diffusers_directory(path):
+    return any(os.path.exists(os.path.join(path, name)) for name in ("config.json", "unet", "model_index.json"))
+
+
+def _published_file(path):
+    """Whether ``path`` is a torch or safetensors file: what only a published checkpoint is."""
+    from megdiffusion import torch_archive
+    from megdiffusion.formats.safetensors_file import is_safetensors
+
+    return torch_archive.is_torch_file(path) or is_safetensors(path)
 
 
 def _network(cfg, weights, path):
