@@ -154,6 +154,8 @@ def describe(source, image_size=None, norm_groups=None, var_type=None, num_heads
         fields.setdefault(name, value)
     if family == "improved_diffusion" and fields["var_type"] in LEARNED_VAR_TYPES:
         fields.setdefault("loss_type", "hybrid")  # its rescale_learned_sigmas=True
+    # The training grids' steps, a field of ours no file records: at most the chain a short-T model has.
+    fields["sample_steps"] = min(TrainConfig.sample_steps, fields["num_timesteps"])
     levels = fields.pop("attention_levels")
     fields["attention_resolutions"] = tuple(fields["image_size"] // 2 ** level for level in levels)
     try:

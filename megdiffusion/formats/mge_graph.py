@@ -48,8 +48,10 @@ def dump_mge(model, path, info, batch_size=1):
     with atomic_write(path) as f:
         # no_change_graph: without it 1.13's dump rewrites the upsample's reshape into a graph that fails to load
         # ("bad input shape for polyadic operator").
+        # Traced at batch 1, the fusion takes the time embedding's (1, C, 1, 1) add for a convolution bias, and the
+        # graph then fails at any other batch ("bias.shape[0] == 1"): fused only from batch 2.
         denoise.dump(f, arg_names=["x", "t", "y"][:len(inputs)], output_names=["out"], optimize_for_inference=True,
-                     enable_fuse_conv_bias_nonlinearity=True, no_change_graph=True,
+                     enable_fuse_conv_bias_nonlinearity=batch_size > 1, no_change_graph=True,
                      user_info=json.dumps({"format": INFO_FORMAT, **info}))
 
 

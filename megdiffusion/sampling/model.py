@@ -105,7 +105,7 @@ def _integers(values, name, count):
         raise ValueError(f"{name} must be integers, got {array.dtype} values")
     if array.ndim > 1 or array.ndim == 1 and len(array) != count:
         raise ValueError(f"{name} must be one integer or {count} of them (one per image), got shape {array.shape}")
-    return np.broadcast_to(array.astype(np.int64), (count,))
+    return np.ascontiguousarray(np.broadcast_to(array.astype(np.int64), (count,)))
 
 
 def load(path, ema=True):
