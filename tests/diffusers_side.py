@@ -25,7 +25,8 @@ def main(pipeline, inputs, outputs):
         chain_labels = labels[:len(sample)] if labels is not None else None
         for index, t in enumerate(steps):
             prediction = unet(sample, t, class_labels=chain_labels).sample
-            noises.append(torch.randn(prediction.shape, generator=torch.Generator().manual_seed(index)).numpy())
+            # the step splits a learned variance off first: its noise is the sample's shape
+            noises.append(torch.randn(sample.shape, generator=torch.Generator().manual_seed(index)).numpy())
             sample = scheduler.step(prediction, t, sample, generator=torch.Generator().manual_seed(index)).prev_sample
             samples.append(sample.numpy())
     np.savez(outputs, out=out.numpy(), timesteps=steps.numpy(), samples=np.stack(samples), noises=np.stack(noises))

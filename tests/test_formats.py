@@ -351,6 +351,7 @@ DROP = object()  # a key left out of config.json
      "must be 4 DownBlock2D/AttnDownBlock2D"),
     (dict(upcast_attention=True), "keys this converter does not know: upcast_attention"),
     (dict(downsample_padding=2), "downsample_padding=2"),
+    (dict(resnet_time_scale_shift="scale_shift"), "attn_norm_num_groups=null: its middle attention has no GroupNorm"),
 ])
 def test_unet_configs_megdiffusion_does_not_compute_are_refused(change, message):
     config = {key: value for key, value in {**_published_configs()[0][0], **change}.items() if value is not DROP}

@@ -83,6 +83,11 @@ def check_diffusers_config(config):
     if values["time_embedding_dim"] not in (None, 4 * channels[0]):
         raise ConvertError(f"config.json has time_embedding_dim={values['time_embedding_dim']}; megdiffusion's is "
                            f"4 * {channels[0]}")
+    if values["attn_norm_num_groups"] is None and values["resnet_time_scale_shift"] != "default":
+        # UNetMidBlock2D then builds its attention without a GroupNorm; megdiffusion's has one.
+        raise ConvertError(f"config.json has resnet_time_scale_shift={values['resnet_time_scale_shift']!r} and "
+                           "attn_norm_num_groups=null: its middle attention has no GroupNorm, which megdiffusion's "
+                           "network has")
     if values["attn_norm_num_groups"] not in (None, values["norm_num_groups"]):
         raise ConvertError(f"config.json has attn_norm_num_groups={values['attn_norm_num_groups']}, "
                            f"not norm_num_groups={values['norm_num_groups']}")
@@ -174,7 +179,8 @@ def diffusers_configs(cfg):
         "block_out_channels": channels, "layers_per_block": cfg.num_res_blocks,
         "downsample_padding": {pad: key for key, pad in _DIFFUSERS_PADDING.items()}[cfg.downsample_padding],
         "dropout": cfg.dropout, "attention_head_dim": None if set(heads) == {1} else widths.pop(),
-        "norm_num_groups": cfg.norm_groups, "attn_norm_num_groups": None, "norm_eps": cfg.norm_eps,
+        # attn_norm_num_groups stated: with scale_shift, null would build the middle attention without a GroupNorm.
+        "norm_num_groups": cfg.norm_groups, "attn_norm_num_groups": cfg.norm_groups, "norm_eps": cfg.norm_eps,
         "resnet_time_scale_shift": "scale_shift" if cfg.use_scale_shift_norm else "default",
         "num_class_embeds": cfg.num_classes or None, "time_embedding_dim": None, "num_train_timesteps": None,
     }
