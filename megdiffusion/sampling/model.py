@@ -174,14 +174,10 @@ def _load_converted(path, ema):
 
 def _load_graph(path, ema):
     from megdiffusion.formats.mge_graph import DeployedNetwork, read_mge_info
-    from megdiffusion.training.config import ConfigError, TrainConfig, validate
+    from megdiffusion.training.checkpoint import config_of
 
     info = read_mge_info(path)
-    try:
-        cfg = TrainConfig.from_dict(info["config"])
-        validate(cfg)
-    except (ConfigError, TypeError, KeyError) as err:
-        raise LoadError(f"{path} records an unusable config: {err}") from None
+    cfg = config_of({"config": info.get("config")}, path)  # checked as a checkpoint's config is
     if not ema and info.get("weights") == "ema":
         raise LoadError(f"{path} holds the EMA weights; export the checkpoint again with --noema for the raw ones")
     return Model(DeployedNetwork(path, cfg.num_classes), cfg, info.get("step", 0), info.get("weights", "ema"),

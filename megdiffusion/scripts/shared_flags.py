@@ -129,6 +129,6 @@ def define_progress_flag():
 
 
 def define_overwrite_flag():
-    """--overwrite of a command that writes one file."""
+    """--overwrite of a command that writes one output (a file, or export's pipeline directory)."""
     flags.DEFINE_bool("overwrite", False, "Replace the output when it exists (convert's and export's OUT, prepare's "
                       "DEST, fid --save_stats's OUT.npz).")
