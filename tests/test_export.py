@@ -15,7 +15,6 @@ import megdiffusion
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import SAMPLERS
 from megdiffusion.formats import ConvertError
-from megdiffusion.scripts.export import export
 from megdiffusion.training import checkpoint
 from megdiffusion.training.config import TrainConfig, build_model
 
@@ -124,7 +123,7 @@ def test_sample_draws_the_images_the_sample_script_writes(checkpoints, tmp_path)
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_a_diffusers_export_reads_back_bit_for_bit(checkpoints, tmp_path, name):
     model = megdiffusion.load(checkpoints[name])
-    export(model, tmp_path / "pipe", "diffusers")
+    model.export(tmp_path / "pipe", "diffusers")
     index = json.loads((tmp_path / "pipe" / "model_index.json").read_text())
     assert index["unet"] == ["diffusers", "UNet2DModel"] and index["scheduler"] == ["diffusers", "DDPMScheduler"]
     back = megdiffusion.load(tmp_path / "pipe")
@@ -167,7 +166,7 @@ def _torch_python():
 def test_diffusers_runs_the_export_as_our_network_and_steps_as_our_sampler(checkpoints, tmp_path, name):
     python = _torch_python()
     model = megdiffusion.load(checkpoints[name])
-    export(model, tmp_path / "pipe", "diffusers")
+    model.export(tmp_path / "pipe", "diffusers")
     x, t, y = _inputs(model, 3)
     if model.num_classes:
         y = np.abs(y)  # diffusers' class embedding has no "no class" label
@@ -198,7 +197,7 @@ def graphs(checkpoints, tmp_path_factory):
     paths = {}
     for name, path in checkpoints.items():
         paths[name] = directory / f"{name}.mge"
-        export(megdiffusion.load(path), paths[name], "mge", batch_size=2)
+        megdiffusion.load(path).export(paths[name], "mge", batch_size=2)
     return paths
 
 
@@ -247,7 +246,7 @@ def test_noema_exports_the_raw_weights_and_the_graph_says_which(checkpoints, tmp
     assert deployed.weights == "raw" and deployed.step == 7
     x, t, _ = _inputs(raw, 2)
     assert _relative(deployed(x, t), raw(x, t)) <= RTOL
-    export(megdiffusion.load(checkpoints["cpu_recipe"]), tmp_path / "ema.mge", "mge")
+    megdiffusion.load(checkpoints["cpu_recipe"]).export(tmp_path / "ema.mge", "mge")
     with pytest.raises(megdiffusion.sampling.LoadError, match="holds the EMA weights; export the checkpoint again "
                                                                "with --noema"):
         megdiffusion.load(tmp_path / "ema.mge", ema=False)
@@ -256,8 +255,7 @@ def test_noema_exports_the_raw_weights_and_the_graph_says_which(checkpoints, tmp
 # --- ONNX -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_the_onnx_export_through_onnxruntime_equals_the_checkpoint(checkpoints, tmp_path, name):
-    ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install -e .[dev])")
+def test_the_onnx_export_through_onnxruntime_equals_the_checkpoint(checkpoints, tmp_path, onnxruntime_out, name):
     model = megdiffusion.load(checkpoints[name])
     result = _run("export", checkpoints[name], tmp_path / "m.onnx", "--to=onnx")
     assert result.returncode == 0, result.stderr
@@ -265,7 +263,7 @@ def test_the_onnx_export_through_onnxruntime_equals_the_checkpoint(checkpoints, 
     feeds = {"x": x, "t": model.diffusion.model_timesteps(t).numpy().astype(np.float32)}
     if y is not None:
         feeds["y"] = y.astype(np.int32)
-    out = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(["out"], feeds)[0]
+    out = onnxruntime_out(tmp_path / "m.onnx", feeds)
     assert _relative(out, model(x, t, y)) <= RTOL
 
 
@@ -301,7 +299,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(checkpoints, graphs, tm
 
 def test_overwrite_replaces_a_pipeline_whole(checkpoints, tmp_path):
     pipe = tmp_path / "pipe"
-    export(megdiffusion.load(checkpoints["cpu_recipe"]), pipe, "diffusers")
+    megdiffusion.load(checkpoints["cpu_recipe"]).export(pipe, "diffusers")
     (pipe / "stale.txt").write_text("from before")
     result = _run("export", checkpoints["classes"], pipe, "--to=diffusers", "--overwrite")
     assert result.returncode == 0, result.stderr
@@ -317,8 +315,8 @@ def test_a_failed_export_leaves_no_partial_output(checkpoints, tmp_path, monkeyp
 
     monkeypatch.setattr(safetensors.numpy, "save_file", fail)
     with pytest.raises(OSError):
-        export(megdiffusion.load(checkpoints["cpu_recipe"]), tmp_path / "pipe", "diffusers")
+        megdiffusion.load(checkpoints["cpu_recipe"]).export(tmp_path / "pipe", "diffusers")
     assert os.listdir(tmp_path) == []
     with pytest.raises(ConvertError, match="opset 12 is not supported"):
-        export(megdiffusion.load(checkpoints["cpu_recipe"]), tmp_path / "m.onnx", "onnx", opset=12)
+        megdiffusion.load(checkpoints["cpu_recipe"]).export(tmp_path / "m.onnx", "onnx", opset=12)
     assert os.listdir(tmp_path) == []

@@ -29,6 +29,8 @@ from megdiffusion.errors import MegdiffusionError
 
 FORMATS = ("diffusers", "pesser", "pytorch_ddpm", "megengine_port", "improved_diffusion")
 CHANNEL_ORDERS = ("rgb", "bgr")
+# What a trained model exports to (``Model.export``): a diffusers pipeline, a MegEngine graph, an ONNX graph.
+EXPORT_TARGETS = ("diffusers", "mge", "onnx")
 
 
 class ConvertError(MegdiffusionError):

@@ -54,6 +54,34 @@ class Model:
             raise ValueError(f"{self.source.get('file')} is a deployed graph: its weights are folded into it")
         return {name: np.asarray(value) for name, value in self.network.state_dict().items()}
 
+    def export(self, out, to, batch_size=1, opset=17):
+        """Write the model to ``out`` as ``to`` (``formats.EXPORT_TARGETS``): a diffusers DDPMPipeline directory, a
+        MegEngine graph traced at ``batch_size`` (it runs at any) or an ONNX graph of ``opset``; returns what was
+        written, in words. ``ConvertError`` for a deployed graph or a network the target cannot describe."""
+        from megdiffusion.formats import EXPORT_TARGETS, ConvertError
+
+        if to not in EXPORT_TARGETS:
+            raise ValueError(f"unknown export target {to!r}; choose one of {', '.join(EXPORT_TARGETS)}")
+        if self.deployed:
+            raise ConvertError(f"{self.source.get('file')} is already an exported graph; export the checkpoint it "
+                               "came from")
+        if to == "diffusers":
+            from megdiffusion.formats.diffusers import write_diffusers
+
+            write_diffusers(self.config, self.state_dict(), out)
+            return f"a diffusers DDPMPipeline directory (open it with DDPMPipeline.from_pretrained({str(out)!r}))"
+        if to == "mge":
+            from megdiffusion.formats.mge_graph import dump_mge
+
+            info = {"config": self.config.to_dict(), "step": self.step, "weights": self.weights,
+                    "source": {k: str(v) for k, v in self.source.items()}}
+            dump_mge(self.network, out, info, batch_size)
+            return f"a MegEngine graph traced at batch {batch_size} (any batch runs)"
+        from megdiffusion.formats.onnx_graph import write_onnx
+
+        write_onnx(self.network, out, opset)
+        return f"an ONNX graph, opset {opset}, dynamic batch"
+
     def __repr__(self):
         classes = f", {self.num_classes} classes" if self.num_classes else ""
         return (f"Model({self.image_size}x{self.image_size}x{self.image_channels}{classes}, T={self.num_timesteps} "

@@ -20,15 +20,14 @@ from absl import app, flags
 
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.fileio import OutputError, check_not_input, check_writable
+from megdiffusion.formats import EXPORT_TARGETS
 from megdiffusion.formats.onnx_graph import OPSETS
 from megdiffusion.scripts import cli, shared_flags
 from megdiffusion.scripts.cli import UsageError, define_integer, megengine_failures, one_line_errors, parse_flags
 
-TARGETS = ("diffusers", "mge", "onnx")
-
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("to", None, TARGETS, "What to write: a diffusers DDPMPipeline directory, a MegEngine Lite graph "
-                  "(.mge) or an ONNX graph (.onnx).")
+flags.DEFINE_enum("to", None, EXPORT_TARGETS, "What to write: a diffusers DDPMPipeline directory, a MegEngine Lite "
+                  "graph (.mge) or an ONNX graph (.onnx).")
 shared_flags.define_ema_flag()
 shared_flags.define_overwrite_flag()
 shared_flags.define_batch_size(1, "--to mge: the batch the graph is traced at; MegEngine 1.13 keeps the batch "
@@ -54,32 +53,6 @@ def _check_output(out, target, overwrite):
                               "--overwrite does not replace it; give a new directory")
 
 
-def export(model, out, target, batch_size=1, opset=17):
-    """Write ``model`` (a ``megdiffusion.Model`` of MegEngine modules) to ``out`` as ``target``; returns what was
-    written, one line."""
-    from megdiffusion.formats import ConvertError
-
-    if model.deployed:
-        raise ConvertError(f"{model.source.get('file')} is already an exported graph; export the checkpoint it came "
-                           "from")
-    if target == "diffusers":
-        from megdiffusion.formats.diffusers import write_diffusers
-
-        write_diffusers(model.config, model.state_dict(), out)
-        return f"a diffusers DDPMPipeline directory (open it with DDPMPipeline.from_pretrained({out!r}))"
-    if target == "mge":
-        from megdiffusion.formats.mge_graph import dump_mge
-
-        info = {"config": model.config.to_dict(), "step": model.step, "weights": model.weights,
-                "source": {k: str(v) for k, v in model.source.items()}}
-        dump_mge(model.network, out, info, batch_size)
-        return f"a MegEngine graph traced at batch {batch_size} (any batch runs)"
-    from megdiffusion.formats.onnx_graph import write_onnx
-
-    write_onnx(model.network, out, opset)
-    return f"an ONNX graph, opset {opset}, dynamic batch"
-
-
 def main(argv):
     quiet_megengine()
     from megdiffusion.sampling.model import load
@@ -88,12 +61,12 @@ def main(argv):
         if len(argv) != 3:
             raise UsageError(f"expected two arguments, CKPT OUT; got {len(argv) - 1}")
         if FLAGS.to is None:
-            raise UsageError(f"--to is required: one of {', '.join(TARGETS)}")
+            raise UsageError(f"--to is required: one of {', '.join(EXPORT_TARGETS)}")
         src, out = argv[1:]
         check_not_input(out, "OUT", src)
         _check_output(out, FLAGS.to, FLAGS.overwrite)
         model = load(src, ema=FLAGS.ema)
-        what = export(model, out, FLAGS.to, FLAGS.batch_size, FLAGS.opset)
+        what = model.export(out, FLAGS.to, FLAGS.batch_size, FLAGS.opset)
     print(f"wrote {out}: {what}; {model!r}")
 
 
