@@ -78,10 +78,16 @@ class DeployedNetwork:
     arrays or MegEngine tensors, the output of the same kind (float32 NCHW)."""
 
     def __init__(self, path, num_classes=0):
-        from megenginelite import LiteNetwork
+        import megenginelite
+
+        from megdiffusion.cpu.batch_threads import THREADS
 
         self.path, self.num_classes = path, num_classes
-        self._network = LiteNetwork()
+        # Lite runs one thread unless told; with one per core the output is the same bit for bit, sooner
+        # (docs/elsewhere.md). Its threads warn that they spin-wait: a warning, not news to a user.
+        megenginelite.set_log_level(megenginelite.LiteLogLevel.ERROR)
+        self._network = megenginelite.LiteNetwork()
+        self._network.threads_number = THREADS  # the cores this process may run on
         self._network.load(path)
 
     def __call__(self, x, t, y=None):
