@@ -33,11 +33,12 @@ from megdiffusion.training import checkpoint  # noqa: E402
 from megdiffusion.training.config import build_model  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODELS = {  # name: (recipe, fields changed)
+CIFAR_SHAPED = "cifar_shaped.npz"  # random 32x32 RGB images in the work directory, for the recipes' CIFAR-10
+MODELS = {  # name: (recipe, flags changed)
     "cpu_recipe": ("configs/fashion_mnist_cpu.cfg", {}),
     "cpu_recipe_classes": ("configs/fashion_mnist_cpu.cfg", {"num_classes": 10}),
-    "cifar10": ("configs/cifar10.cfg", {}),
-    "iddpm_cifar10": ("configs/iddpm_cifar10.cfg", {}),
+    "cifar10": ("configs/cifar10.cfg", {"dataset": "npz", "data_path": CIFAR_SHAPED}),
+    "iddpm_cifar10": ("configs/iddpm_cifar10.cfg", {"dataset": "npz", "data_path": CIFAR_SHAPED}),
 }
 
 
@@ -87,8 +88,11 @@ def inputs(model, batch, seed):
 
 def measure(name, args, workdir):
     recipe, changes = MODELS[name]
-    cfg, _ = config_from_flagfile(os.path.join(REPO, recipe))
-    cfg = cfg.replace(**changes) if changes else cfg
+    if "data_path" in changes:
+        changes = {**changes, "data_path": os.path.join(workdir, changes["data_path"])}
+        images = np.random.default_rng(0).integers(0, 256, (128, 32, 32, 3), dtype=np.uint8)  # a batch
+        np.savez(changes["data_path"], images)
+    cfg, _ = config_from_flagfile(os.path.join(REPO, recipe), **changes)
     ckpt = os.path.join(workdir, f"{name}.pkl")
     checkpoint.save_checkpoint(ckpt, checkpoint.weights_snapshot(cfg, perturbed_weights(cfg, 0), {"format": "bench"}))
     model = megdiffusion.load(ckpt)

@@ -75,6 +75,15 @@ def test_sample():
     assert all(line["seconds_per_image"] > 0 for line in lines[3:])
 
 
+@smoke("export.py")
+def test_export():
+    lines = json_lines(run("export.py", "--models", "cpu_recipe_classes", "--batches", "1,2", "--repeats", "1").stdout)
+    assert [(line["batch"], line["runtime"]) for line in lines[:-1]] == [
+        (batch, runtime) for batch in (1, 2) for runtime in ("eager", "mge", "onnx")]
+    assert all(line["relative_diff"] <= 1e-4 and line["ms_per_forward"] > 0 for line in lines[:-1])
+    assert set(lines[-1]["bytes"]) == {"checkpoint", "onnx", "mge_b1", "mge_b2"}
+
+
 @smoke("fid_features.py")
 def test_fid_features():
     lines = json_lines(run("fid_features.py", "--batch_sizes", "1", "--repeats", "1", "--routes",
