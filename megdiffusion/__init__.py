@@ -8,12 +8,12 @@ limit_worker_spin()  # before any module of the package imports MegEngine
 empty_dtr_candidates()
 keep_fastrun_cache_in_memory()
 
-__all__ = ["load", "Model", "UNet", "GaussianDiffusion", "make_beta_schedule"]
+__all__ = ["load", "Model", "LoadError", "UNet", "GaussianDiffusion", "make_beta_schedule"]
 
 
 def __getattr__(name):
     # Lazy exports: importing the package (e.g. for --help) does not load MegEngine.
-    if name in ("load", "Model"):
+    if name in ("load", "Model", "LoadError"):
         from megdiffusion.sampling import model
 
         return getattr(model, name)

@@ -192,6 +192,19 @@ def quiet_megengine():
     return megengine
 
 
+@contextlib.contextmanager
+def megengine_errors_only():
+    """MegEngine's own log (the ``[mgb] WRN`` lines) at errors only inside the block: its graph optimiser's advice
+    on operators we chose is not news to a user."""
+    from megengine.core._imperative_rt.utils import Logger
+
+    old = Logger.set_log_level(Logger.LogLevel.Error)
+    try:
+        yield
+    finally:
+        Logger.set_log_level(old)
+
+
 def cuda_available():
     """True when MegEngine sees a CUDA device (without the probe's debug lines on CPU machines)."""
     megengine = quiet_megengine()

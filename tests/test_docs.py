@@ -16,8 +16,8 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 MAX_README_LINES = 250
 # The topics the guides cover: each must be a page of docs/ that README lists.
-GUIDES = ("training", "sampling", "evaluation", "published-models", "improved-ddpm", "cpu", "gpus", "development",
-          "architecture")
+GUIDES = ("training", "sampling", "evaluation", "published-models", "elsewhere", "improved-ddpm", "cpu", "gpus",
+          "development", "architecture")
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
