@@ -81,3 +81,31 @@ def onnxruntime_out(tmp_path_factory):
         return np.load(directory / "out.npy")
 
     return run
+
+
+@pytest.fixture(scope="session")
+def diffusers_run(tmp_path_factory):
+    """``diffusers_run(pipeline, x=, t=, x_T=[, y=])``: what ``tests/diffusers_side.py`` computes with diffusers on
+    the exported pipeline directory (its ``UNet2DModel`` output ``out``, two scheduler steps), in the python
+    ``MEGDIFFUSION_TORCH_PYTHON`` names; skips where that is unset or lacks torch or diffusers."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    python = os.environ.get("MEGDIFFUSION_TORCH_PYTHON")
+    if not python:
+        pytest.skip("diffusers' side needs MEGDIFFUSION_TORCH_PYTHON: a python with torch and diffusers")
+    check = subprocess.run([python, "-c", "import diffusers, torch"], capture_output=True, text=True)
+    if check.returncode:
+        pytest.skip(f"{python} cannot import diffusers and torch: {check.stderr.strip().splitlines()[-1]}")
+    directory = tmp_path_factory.mktemp("diffusers")
+    side = Path(__file__).parent / "diffusers_side.py"
+
+    def run(pipeline, **arrays):
+        np.savez(directory / "in.npz", **arrays)
+        result = subprocess.run([python, str(side), str(pipeline), str(directory / "in.npz"),
+                                 str(directory / "out.npz")], capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr
+        return dict(np.load(directory / "out.npz"))
+
+    return run

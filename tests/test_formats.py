@@ -95,6 +95,53 @@ def test_a_converted_model_gives_its_reference_outputs(path):
     assert _max_error(out, IO[f"out_{record['format']}"]) < ATOL
 
 
+def _exportable(path, directory):
+    """The converted model at ``path`` as ``megdiffusion.load`` gives it (from a checkpoint in ``directory``)."""
+    import megdiffusion
+
+    cfg, weights, record = _converted(path)
+    ckpt.save_checkpoint(str(directory / "converted.pkl"), ckpt.weights_snapshot(cfg, weights, record))
+    return megdiffusion.load(directory / "converted.pkl")
+
+
+def _relative(got, ref):
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+EXPORT_RTOL = 1e-4  # test_export's: max |diff| / max |ref|
+
+
+@pytest.mark.parametrize("path", MODELS, ids=lambda path: path.name)
+def test_a_converted_model_exports_to_every_target(path, tmp_path, onnxruntime_out):
+    """diffusers bit for bit back (pytorch-ddpm's interleaved embedding reordered there and back), the .mge and
+    the ONNX graph to the export tolerance, and all of them still the format's own outputs."""
+    import megdiffusion
+
+    model = _exportable(path, tmp_path)
+    ours = model(IO["x"], IO["t"])
+    model.export(tmp_path / "pipe", "diffusers")
+    back = megdiffusion.load(tmp_path / "pipe")
+    assert back.config.time_embedding == model.config.time_embedding
+    weights, read = model.state_dict(), back.state_dict()
+    assert list(weights) == list(read) and all(np.array_equal(weights[k], read[k]) for k in weights)
+    model.export(tmp_path / "m.mge", "mge")
+    model.export(tmp_path / "m.onnx", "onnx")
+    feeds = {"x": IO["x"], "t": np.asarray(model.diffusion.model_timesteps(IO["t"]), np.float32)}
+    for out in (megdiffusion.load(tmp_path / "m.mge")(IO["x"], IO["t"]), onnxruntime_out(tmp_path / "m.onnx", feeds)):
+        assert _relative(out, ours) <= EXPORT_RTOL
+        assert _max_error(out, IO[f"out_{model.source['format']}"]) < ATOL
+
+
+@pytest.mark.parametrize("path", MODELS, ids=lambda path: path.name)
+def test_diffusers_runs_a_converted_models_export_as_its_own_code_does(path, tmp_path, diffusers_run):
+    """A published network re-exported to diffusers: DDPMPipeline loads it and gives the format's own outputs."""
+    model = _exportable(path, tmp_path)
+    model.export(tmp_path / "pipe", "diffusers")
+    theirs = diffusers_run(tmp_path / "pipe", x=IO["x"], t=IO["t"], x_T=IO["x"])
+    assert _relative(theirs["out"], model(IO["x"], IO["t"])) <= EXPORT_RTOL
+    assert _max_error(theirs["out"], IO[f"out_{model.source['format']}"]) < ATOL
+
+
 @pytest.mark.parametrize("option", CONVENTIONS)
 @pytest.mark.parametrize("path", MODELS, ids=lambda path: path.name)
 def test_each_wrong_convention_changes_the_outputs_beyond_tolerance(path, option):

@@ -9,7 +9,7 @@ from megdiffusion.diffusion.choices import LEARNED_VAR_TYPES
 from megdiffusion.errors import one_line
 from megdiffusion import torch_archive
 from megdiffusion.formats import ConvertError
-from megdiffusion.formats.diffusers import DIFFUSERS_WEIGHTS, diffusers_source
+from megdiffusion.formats.diffusers import DIFFUSERS_WEIGHTS, EMBEDDING_LAYER, diffusers_source, sin_cos_columns
 from megdiffusion.formats.names import TIME_TABLE, detect_layout, format_of, mapping, qkv_part, split_qkv
 from megdiffusion.formats.networks import network_from_shapes, table_embedding
 from megdiffusion.formats.published import PORT_CHANNEL_ORDERS, PUBLISHED, family_of, find_published
@@ -210,6 +210,9 @@ def convert(path, fmt="auto", ema=False, image_size=None, norm_groups=None, var_
                 array = array.reshape(-1)  # (3C,), or (1, 3C, 1) in the MegEngine port's files
             array = split_qkv(array, part, attention_heads(channels, cfg.num_heads, cfg.num_head_channels))
         weights[ours] = np.ascontiguousarray(array, np.float32).reshape(targets[ours])
+    if source.format == "diffusers" and cfg.time_embedding == "pytorch_ddpm":  # [sin | cos] back to interleaved
+        columns = np.argsort(sin_cos_columns(weights[EMBEDDING_LAYER].shape[1]))
+        weights[EMBEDDING_LAYER] = np.ascontiguousarray(weights[EMBEDDING_LAYER][:, columns])
     if order == "bgr":  # the same network for RGB images: conv_in's inputs and conv_out's outputs reversed
         weights["conv_in.weight"] = np.ascontiguousarray(weights["conv_in.weight"][:, ::-1])
         weights["conv_out.weight"] = np.ascontiguousarray(weights["conv_out.weight"][::-1])

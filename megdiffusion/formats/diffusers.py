@@ -36,8 +36,17 @@ DIFFUSERS_FIXED = {
 }
 _DIFFUSERS_PADDING = {0: "bottom_right", 1: "symmetric"}  # downsample_padding 0: F.pad(x, (0, 1, 0, 1))
 # (flip_sin_to_cos, freq_shift) of each time embedding diffusers' Timesteps computes: Ho's [sin | cos] over
-# i / (half - 1), improved-diffusion's [cos | sin] over i / half. pytorch-ddpm's interleaved table it has not.
-_TIME_EMBEDDINGS = {(False, 1): "ho", (True, 0): "iddpm"}
+# i / (half - 1), improved-diffusion's [cos | sin] over i / half. pytorch-ddpm's interleaved sin and cos over i / half
+# are diffusers' [sin | cos] over i / half once the first time-embedding layer's inputs are reordered
+# (``sin_cos_columns``): the same network.
+_TIME_EMBEDDINGS = {(False, 1): "ho", (True, 0): "iddpm", (False, 0): "pytorch_ddpm"}
+EMBEDDING_LAYER = "temb_dense0.weight"  # the layer that reads the embedding: (out, dim), ours
+
+
+def sin_cos_columns(dim):
+    """The input columns of ``EMBEDDING_LAYER`` that diffusers' [sin | cos] order takes from pytorch-ddpm's
+    interleaved (sin f0, cos f0, sin f1, ...): its weight's ``[:, sin_cos_columns(dim)]``."""
+    return np.concatenate([np.arange(0, dim, 2), np.arange(1, dim, 2)])
 _SCALE_SHIFT = {"default": False, "scale_shift": True}
 
 
@@ -59,8 +68,8 @@ def check_diffusers_config(config):
     embedding = _TIME_EMBEDDINGS.get((values["flip_sin_to_cos"], values["freq_shift"]))
     if embedding is None:
         raise ConvertError(f"config.json has flip_sin_to_cos={values['flip_sin_to_cos']}, freq_shift="
-                           f"{values['freq_shift']}; megdiffusion has (False, 1), Ho's, and (True, 0), "
-                           "improved-diffusion's")
+                           f"{values['freq_shift']}; megdiffusion has (False, 1), Ho's, (True, 0), "
+                           "improved-diffusion's, and (False, 0), pytorch-ddpm's reordered")
     if values["resnet_time_scale_shift"] not in _SCALE_SHIFT:
         raise ConvertError(f"config.json has resnet_time_scale_shift={values['resnet_time_scale_shift']!r}; "
                            f"megdiffusion has {', '.join(_SCALE_SHIFT)}")
@@ -150,11 +159,10 @@ def check_scheduler_config(config):
 def diffusers_configs(cfg):
     """``(config.json, scheduler_config.json)``: the ``UNet2DModel`` and ``DDPMScheduler`` of ``cfg``'s network and
     diffusion (a ``TrainConfig``); ``ConvertError`` naming what diffusers cannot describe."""
-    embedding = {kind: key for key, kind in _TIME_EMBEDDINGS.items()}.get(cfg.time_embedding)
+    embedding = {kind: key for key, kind in _TIME_EMBEDDINGS.items()}[cfg.time_embedding]  # every kind has one
     variance = {ours: theirs for theirs, ours in reversed(_VARIANCES.items())}.get(cfg.var_type)
     prediction = {ours: theirs for theirs, ours in _PREDICTIONS.items()}.get(cfg.mean_type)
     missing = [what for what, absent in (
-        (f"the {cfg.time_embedding} time embedding (diffusers has Ho's and improved-diffusion's)", embedding is None),
         (f"var_type {cfg.var_type} (DDPMScheduler's 'learned' is a variance, not a log variance)", variance is None),
         (f"mean_type {cfg.mean_type}", prediction is None),
         ("rescaled timesteps at T != 1000 (UNet2DModel sees the scheduler's t as it is)",
@@ -237,6 +245,8 @@ def diffusers_tensors(cfg, weights):
             array = array.reshape(-1)  # MegEngine's convolutions keep theirs as (1, C, 1, 1)
         elif (".attns." in name or name.startswith("mid_attn.")) and array.ndim == 4:
             array = array.reshape(array.shape[:2])  # our 1x1 convolutions, diffusers' Linear layers
+        if name == EMBEDDING_LAYER and cfg.time_embedding == "pytorch_ddpm":
+            array = array[:, sin_cos_columns(array.shape[1])]
         tensors[source_name("diffusers", name, levels, cfg.num_res_blocks, attention_levels)] = \
             np.ascontiguousarray(array, np.float32)
     return tensors
