@@ -169,6 +169,18 @@ def test_a_diffusers_config_without_a_key_means_diffusers_default(tmp_path, key,
     assert _max_error(_outputs(cfg, weights), IO[control]) < ATOL
 
 
+def test_a_diffusers_config_at_freq_shift_0_is_pytorch_ddpms_embedding_reordered(tmp_path):
+    """diffusers' [sin | cos] over i / half is pytorch-ddpm's interleaved embedding with the first time-embedding
+    layer's inputs reordered: the same network, as diffusers computed it at freq_shift=0."""
+    source = _model_of_format("diffusers")
+    shutil.copytree(source, tmp_path / "model")
+    config = json.loads((source / "config.json").read_text())
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**config, "freq_shift": 0}))
+    cfg, weights, _ = _converted(tmp_path / "model")
+    assert cfg.time_embedding == "pytorch_ddpm"
+    assert _max_error(_outputs(cfg, weights), IO["neg_freq_shift_0"]) < ATOL
+
+
 # --- the MegEngine port: files written the way its code writes them, from the pytorch-ddpm weights -----------
 
 def _ho_table(steps, dim):
@@ -389,7 +401,7 @@ DROP = object()  # a key left out of config.json
 
 @pytest.mark.parametrize("change, message", [
     (dict(flip_sin_to_cos=True), "flip_sin_to_cos=True, freq_shift=1; megdiffusion has"),
-    (dict(freq_shift=0), "freq_shift=0"),
+    (dict(freq_shift=2), "freq_shift=2"),
     (dict(attention_head_dim=48), "attention_head_dim=48, which does not divide the attended channels"),
     (dict(attention_head_dim=DROP, block_out_channels=[128, 256, 256, 260]), "attention_head_dim=8, which"),
     (dict(act_fn="gelu"), "act_fn='gelu'"),
