@@ -41,13 +41,13 @@ _DIFFUSERS_PADDING = {0: "bottom_right", 1: "symmetric"}  # downsample_padding 0
 # (``sin_cos_columns``): the same network.
 _TIME_EMBEDDINGS = {(False, 1): "ho", (True, 0): "iddpm", (False, 0): "pytorch_ddpm"}
 EMBEDDING_LAYER = "temb_dense0.weight"  # the layer that reads the embedding: (out, dim), ours
+_SCALE_SHIFT = {"default": False, "scale_shift": True}
 
 
 def sin_cos_columns(dim):
     """The input columns of ``EMBEDDING_LAYER`` that diffusers' [sin | cos] order takes from pytorch-ddpm's
     interleaved (sin f0, cos f0, sin f1, ...): its weight's ``[:, sin_cos_columns(dim)]``."""
     return np.concatenate([np.arange(0, dim, 2), np.arange(1, dim, 2)])
-_SCALE_SHIFT = {"default": False, "scale_shift": True}
 
 
 def _attention_heads(channels, num_heads, num_head_channels):
