@@ -9,9 +9,12 @@ import sys
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent():
-    """Ask the kernel to kill this process when its parent ends (``prctl(PR_SET_PDEATHSIG)``), then exit at once if
-    the parent ended before that; a no-op where there is no prctl. For the ``initializer`` of a worker pool."""
+def start_worker():
+    """Make this process a worker: Ctrl-C is ignored (a terminal sends it to every process of the group; the parent
+    handles it and ends the workers, which stay silent), and the kernel kills it when its parent ends
+    (``prctl(PR_SET_PDEATHSIG)``; it exits at once if the parent ended before that). For the ``initializer`` of a
+    worker pool."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import megdiffusion
-from megdiffusion.scripts.cli import UsageError, one_line_errors
+from megdiffusion.scripts.cli import Terminated, UsageError, one_line_errors
 from megdiffusion.errors import MegdiffusionError
 
 
@@ -32,13 +32,15 @@ def test_the_base_and_the_handler_import_without_megengine():
 
 
 def test_one_line_errors_print_one_line_and_exit_with_the_error_code(capsys):
-    """megdiffusion's errors with their codes; paths that cannot be read or written (2), Ctrl-C (130)."""
+    """megdiffusion's errors with their codes; paths that cannot be read or written (2), Ctrl-C (130), SIGTERM
+    (143)."""
     from megdiffusion.training.trainer import NonFiniteLossError
 
     cases = ((UsageError("bad flag"), 2, "bad flag"), (NonFiniteLossError("loss is nan"), 1, "loss is nan"),
              (PermissionError(13, "Permission denied", "/out/x.png"), 2, "/out/x.png: Permission denied"),
              (OSError("image file is truncated"), 2, "image file is truncated"),
-             (KeyboardInterrupt(), 130, "interrupted; every file written so far is complete"))
+             (KeyboardInterrupt(), 130, "stopped by SIGINT; every file written so far is complete"),
+             (Terminated(), 143, "stopped by SIGTERM; every file written so far is complete"))
     for error, code, line in cases:
         with pytest.raises(SystemExit) as exit_info:
             with one_line_errors():

@@ -251,7 +251,11 @@ def serve(fd):
                     prepared = {}
                 result = [_compute(kind, model, weights, grads[slot] if kind == "gradients" else None, shapes,
                                    inputs, prepared, *args) for slot, inputs in jobs]
-            connection.send(("ok", result))
+            answer = ("ok", result)
         except Exception as error:  # noqa: BLE001 - the caller raises it
             traceback.print_exc()
-            connection.send(("error", f"{type(error).__name__}: {error}"))
+            answer = ("error", f"{type(error).__name__}: {error}")
+        try:
+            connection.send(answer)
+        except OSError:  # the caller ended (Ctrl-C, say) while this worker computed: nothing to report
+            return

@@ -22,7 +22,7 @@ import numpy as np
 from megdiffusion.data.sources import CROP_RULE, DatasetError, decode
 from megdiffusion.errors import one_line
 from megdiffusion.fileio import atomic_write, check_writable
-from megdiffusion.processes import die_with_parent
+from megdiffusion.processes import start_worker
 
 MAGIC = b"MEGDDSET"
 FORMAT = "megdiffusion prepared dataset 1"
@@ -131,7 +131,7 @@ def _chunks_in_order(source, size, skip_bad, workers):
             yield start, names, _decode_chunk(source.kind, names, items, size, skip_bad)
         return
     context = multiprocessing.get_context("spawn")  # the caller may hold threads (or a CUDA context)
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=die_with_parent) as pool:
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=start_worker) as pool:
         pending = collections.deque()
         try:
             for start, names, items in source.chunks(CHUNK):

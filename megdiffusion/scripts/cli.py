@@ -1,12 +1,14 @@
 """What the command-line scripts share: one-line errors with exit code 2 for bad input (flags, paths and
-files too), exit code 1 for a failure of MegEngine itself, and 130 for Ctrl-C; flag parsing, with every number held
-to its flag's bounds."""
+files too), exit code 1 for a failure of MegEngine itself, 130 for Ctrl-C and 143 for SIGTERM; flag parsing, with
+every flagfile read once, the command line winning over it, and every number held to its flag's bounds."""
 import contextlib
+import functools
 import math
 import os
+import signal
 import sys
 
-from absl import flags
+from absl import app, flags
 
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion import environment
@@ -14,6 +16,15 @@ from megdiffusion import environment
 
 class UsageError(MegdiffusionError):
     """Bad command-line input; the message is one line that says what to fix."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, as Ctrl-C raises ``KeyboardInterrupt``: every cleanup of an interrupt
+    (a partial file removed, a checkpoint saved) runs for it too."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
 
 
 # absl.app's debugging flags (listed by --helpfull), which would write files outside a command's outputs or stop in a
@@ -64,8 +75,20 @@ def one_line_errors():
         fail(err, err.exit_code)
     except OSError as err:
         fail(f"{err.filename}: {err.strerror}" if err.filename and err.strerror else err)
-    except KeyboardInterrupt:
-        fail("interrupted; every file written so far is complete", 130)
+    except KeyboardInterrupt as interrupt:
+        how, code = ("SIGTERM", 143) if isinstance(interrupt, Terminated) else ("SIGINT", 130)
+        fail(f"stopped by {how}; every file written so far is complete", code)
+
+
+def run_command(main, first=None):
+    """Run a script's ``main`` under absl with ``parse_flags``: SIGTERM raises ``Terminated``, and an interrupt
+    anywhere ends the command in one line (exit 130 or 143). ``first``: called before the flags are parsed; it
+    returns keyword arguments for ``main``."""
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    with one_line_errors():
+        if first is not None:
+            main = functools.partial(main, **first())
+        app.run(main, flags_parser=parse_flags)
 
 
 @contextlib.contextmanager
@@ -84,26 +107,53 @@ def megengine_failures(how_to_continue):
         fail(f"MegEngine failed: {megengine_error_cause(exc)}; {how_to_continue}", code=1)
 
 
-def check_flagfiles(args, including=()):
-    """``UsageError`` for a ``--flagfile`` in ``args`` that is not text (a checkpoint, say) or that includes itself,
-    directly or through the flagfiles it names; a missing one is left to absl's own message. ``including``: the
-    flagfiles (real paths) whose lines ``args`` are."""
-    named = [arg.split("=", 1)[1] for arg in args if arg.startswith(("--flagfile=", "-flagfile="))]
-    named += [value for flag, value in zip(args, args[1:]) if flag in ("--flagfile", "-flagfile")]
-    for path in named:
-        real = os.path.realpath(path)
-        if real in including:
-            raise UsageError(f"flagfile {path} includes itself (through {' -> '.join(including)}); remove that "
-                             "--flagfile line")
-        try:
-            with open(path, encoding="utf-8") as f:
-                lines = [line.strip() for line in f]
-        except UnicodeDecodeError:
-            raise UsageError(f"--flagfile {path} is not a text file of flags; give a flagfile such as a run's "
-                             "flags.cfg (a checkpoint is read with --ckpt, --init_from or --resume)") from None
-        except OSError:
+FLAGFILE_FLAGS = ("--flagfile", "-flagfile")
+
+
+def expand_flagfiles(args, including=(), source=None):
+    """``args`` with every ``--flagfile`` read once (so a pipe works) and in its place, by absl's rules (blank lines
+    and lines starting with # or // skipped, nested flagfiles expanded where they stand, nothing expanded after
+    ``--``): ``(from_files, command_line)``, each a list of (argument, the flagfile it came from or None).
+    ``UsageError`` for a flagfile that cannot be read, is not text (a checkpoint, say), or includes itself.
+    ``including``: the flagfiles (real paths) whose lines ``args`` are, the last named ``source``."""
+    from_files, command_line = [], []
+    rest = list(args)
+    while rest:
+        arg = rest.pop(0)
+        if arg == "--" and not including:
+            command_line += [(a, None) for a in [arg, *rest]]
+            break
+        if arg in FLAGFILE_FLAGS:
+            if not rest:
+                raise UsageError(f"{arg} needs a file name: {arg}=FILE")
+            path = rest.pop(0)
+        elif arg.startswith(tuple(f"{flag}=" for flag in FLAGFILE_FLAGS)):
+            path = arg.split("=", 1)[1].strip()
+        else:
+            (from_files if including else command_line).append((arg, source))
             continue
-        check_flagfiles(lines, including + (real,))
+        if path:
+            from_files += _flagfile_arguments(os.path.expanduser(path), including)
+    return from_files, command_line
+
+
+def _flagfile_arguments(path, including):
+    """The arguments of flagfile ``path`` (``expand_flagfiles``), each with the flagfile it came from."""
+    real = os.path.realpath(path)
+    if real in including:
+        chain = " -> ".join([*including, real])
+        raise UsageError(f"flagfile {path} includes itself (through {chain}); remove that --flagfile line")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        raise UsageError(f"--flagfile {path} is not a text file of flags; give a flagfile such as a run's "
+                         "flags.cfg (a checkpoint is read with --ckpt, --init_from or --resume)") from None
+    except OSError as err:
+        raise UsageError(f"cannot open flagfile {path}: {err.strerror or err}; give an existing flagfile") from None
+    lines = [line.strip() for line in text.splitlines()]
+    lines = [line for line in lines if line and not line.startswith(("#", "//"))]
+    return expand_flagfiles(lines, including + (real,), path)[0]
 
 
 def define_integer(name, default, help_text, flag_values=flags.FLAGS, **bounds):
@@ -134,30 +184,77 @@ def flag_bounds(flag_values, name):
 
 
 def parse_into(flag_values, argv):
-    """Parse ``argv`` into ``flag_values``; ``UsageError`` for a bad flag, a missing flagfile, a number that is
-    not finite (every float flag of every script), a number outside its flag's bounds (``flag_bounds``) or one of
+    """Parse ``argv`` into ``flag_values``: the flagfiles' flags first (``expand_flagfiles``), made the defaults
+    (so ``--help`` shows them), then the command line's, which win wherever they stand. ``UsageError`` for a bad
+    flag (naming the flagfile that set it), a flagfile that cannot be read, a number that is not finite (every
+    float flag of every script), a number outside its flag's bounds (``flag_bounds``) or one of
     ``ABSL_DEBUG_FLAGS``. Returns the positional arguments."""
     from megdiffusion.training.config import ConfigError, check_bounds
 
-    check_flagfiles(argv[1:])
-    try:
-        rest = flag_values(argv)
-    except flags.Error as err:
-        raise UsageError(str(err).removeprefix("ERROR:: ")) from None
+    from_files, command_line = expand_flagfiles(argv[1:])
+    origin = {_flag_name(arg, flag_values): source for arg, source in from_files}
+    positional = []
+    if from_files:
+        positional += _parse(flag_values, argv[0], from_files)
+        for name in flag_values:
+            if flag_values[name].present:
+                flag_values.set_default(name, flag_values[name].value)
+    positional += _parse(flag_values, argv[0], command_line)
+    given = given_on_command_line(flag_values, [arg for arg, _ in command_line])
     for name in flag_values:
         flag = flag_values[name]
+        where = f" (set in flagfile {origin[name]})" if name in origin and name not in given else ""
         if name in ABSL_DEBUG_FLAGS and flag.present:
             raise UsageError(f"--{name} is absl's debugging flag, which megdiffusion does not support; run "
-                             f"{ABSL_DEBUG_FLAGS[name]} instead")
+                             f"{ABSL_DEBUG_FLAGS[name]} instead{where}")
         value = flag.value
         if isinstance(value, float) and not math.isfinite(value):
-            raise UsageError(f"--{name} must be a finite number, got {value}")
+            raise UsageError(f"--{name} must be a finite number, got {value}{where}")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             try:
                 check_bounds(name, value, flag_bounds(flag_values, name))
             except ConfigError as err:
-                raise UsageError(str(err)) from None
-    return rest
+                raise UsageError(f"{err}{where}") from None
+    return [argv[0], *positional]
+
+
+def _parse(flag_values, program, arguments):
+    """absl's parse of ``arguments`` (argument, flagfile) into ``flag_values``: the positional arguments."""
+    try:
+        return flag_values([program, *(arg for arg, _ in arguments)])[1:]
+    except flags.Error as err:
+        raise UsageError(_flag_error(err, arguments, flag_values)) from None
+
+
+def _flag_name(arg, flag_values):
+    """The flag an argument such as ``--name=value`` or ``--noname`` sets (its bare name otherwise)."""
+    name = arg.lstrip("-").split("=", 1)[0]
+    return name[2:] if name.startswith("no") and name not in flag_values and name[2:] in flag_values else name
+
+
+def _flag_error(err, arguments, flag_values):
+    """absl's error ``err`` for ``arguments`` (argument, flagfile) as one line that names the flagfile that set the
+    flag, and for a training flag in another command's flagfile, what that flagfile is for."""
+    from megdiffusion.training.config import define_flags
+
+    text = str(err).removeprefix("ERROR:: ")
+    named = getattr(err, "flagname", None)
+    source = next((source for arg, source in arguments if source and arg.startswith("-")
+                   and _flag_name(arg, flag_values) == named), None)
+    if source is None and named is None:
+        source = next((source for arg, source in arguments if source and arg.startswith("-")
+                       and f"--{_flag_name(arg, flag_values)}=" in text), None)
+    if source is None:
+        return text
+    if isinstance(err, flags.UnrecognizedFlagError):
+        training = flags.FlagValues()
+        define_flags(training)
+        if named in training:
+            use = "; this command reads a run with --ckpt RUN" if "ckpt" in flag_values else ""
+            return (f"--{named}, set in flagfile {source}, is a training flag, not one of this command: {source} "
+                    f"is a flagfile of megdiffusion.scripts.train{use}")
+        return f"--{named}, set in flagfile {source}, is not a flag of this command; remove that line"
+    return f"{text} (set in flagfile {source})"
 
 
 def parse_flags(argv):
@@ -170,14 +267,8 @@ def parse_flags(argv):
 def given_on_command_line(flag_values, args=None):
     """The names of the flags written on the command line (``args``, default ``sys.argv[1:]``), not through a
     flagfile: a recipe may set what a command line may not ask for in vain."""
-    given = set()
-    for arg in sys.argv[1:] if args is None else args:
-        name = arg.lstrip("-").split("=", 1)[0] if arg.startswith("-") else ""
-        if name.startswith("no") and name not in flag_values and name[2:] in flag_values:
-            name = name[2:]
-        if name in flag_values:
-            given.add(name)
-    return given
+    args = sys.argv[1:] if args is None else args
+    return {_flag_name(arg, flag_values) for arg in args if arg.startswith("-")} & set(flag_values)
 
 
 def check_flags_matter(flag_values, rules, given=None):

@@ -7,7 +7,7 @@ files, e.g. ``cifar10_uncond_50M_500K.pt``); the format is read from the content
 ``scripts.sample --ckpt``, ``scripts.fid --ckpt`` and ``scripts.train --init_from``. Every tensor maps onto one
 parameter and every parameter is filled, or nothing is written. Bad input: one ``error:`` line, exit code 2.
 """
-from absl import app, flags
+from absl import flags
 
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import VAR_TYPES
@@ -15,7 +15,7 @@ from megdiffusion.diffusion.schedules import SCHEDULES
 from megdiffusion.fileio import check_not_input, check_writable
 from megdiffusion.formats import CHANNEL_ORDERS, FORMATS
 from megdiffusion.scripts import cli, shared_flags
-from megdiffusion.scripts.cli import UsageError, define_integer, megengine_failures, one_line_errors, parse_flags
+from megdiffusion.scripts.cli import UsageError, define_integer, megengine_failures, one_line_errors
 from megdiffusion.training.config import field_bounds
 
 FLAGS = flags.FLAGS
@@ -70,7 +70,7 @@ def main(argv):
 
 def run():
     """Console entry point (``megdiffusion-convert``)."""
-    app.run(main, flags_parser=parse_flags)
+    cli.run_command(main)
 
 
 if __name__ == "__main__":

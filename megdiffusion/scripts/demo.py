@@ -18,7 +18,7 @@ import os
 import shutil
 import time
 
-from absl import app, flags
+from absl import flags
 
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.solvers import sampler_label
@@ -216,9 +216,7 @@ def main(argv):
 
 
 def run():
-    from megdiffusion.scripts.cli import parse_flags
-
-    app.run(main, flags_parser=parse_flags)
+    cli.run_command(main)
 
 
 if __name__ == "__main__":

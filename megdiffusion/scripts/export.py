@@ -16,14 +16,14 @@ Bad input: one ``error:`` line, exit code 2; nothing is written unless the whole
 """
 import os
 
-from absl import app, flags
+from absl import flags
 
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.fileio import OutputError, check_not_input, check_writable
 from megdiffusion.formats import EXPORT_TARGETS
 from megdiffusion.formats.onnx_graph import OPSETS
 from megdiffusion.scripts import cli, shared_flags
-from megdiffusion.scripts.cli import UsageError, define_integer, megengine_failures, one_line_errors, parse_flags
+from megdiffusion.scripts.cli import UsageError, define_integer, megengine_failures, one_line_errors
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("to", None, EXPORT_TARGETS, "What to write: a diffusers DDPMPipeline directory, a MegEngine Lite "
@@ -72,7 +72,7 @@ def main(argv):
 
 def run():
     """Console entry point (``megdiffusion-export``)."""
-    app.run(main, flags_parser=parse_flags)
+    cli.run_command(main)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ Bad input: one line on stderr, exit code 2.
 """
 import sys
 
-from absl import app, flags
+from absl import flags
 
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.solvers import sampler_label
@@ -21,7 +21,7 @@ from megdiffusion.metrics.kid_pr import KID_SEED, KID_SUBSET_SIZE, KID_SUBSETS
 from megdiffusion.metrics.scores import check_sizes, compare, needs_features, parse_metrics, score_lines
 from megdiffusion.scripts import cli, shared_flags
 from megdiffusion.scripts.cli import (MAX_IMAGES, UsageError, check_flags_matter, define_integer, megengine_failures,
-                                      one_line_errors, parse_flags)
+                                      one_line_errors)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_boolean("save_stats", False, "Write the statistics of PATH to OUT.npz instead of computing FID.")
@@ -183,7 +183,7 @@ def main(argv):
 
 def run():
     """Console entry point (``megdiffusion-fid``)."""
-    app.run(main, flags_parser=parse_flags)
+    cli.run_command(main)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,11 @@ steps give a looser bound). PATH: what ``scripts.fid`` reads (a directory of ima
 import math
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.scripts import cli, shared_flags
-from megdiffusion.scripts.cli import MAX_IMAGES, UsageError, define_integer, megengine_failures, one_line_errors, \
-    parse_flags
+from megdiffusion.scripts.cli import MAX_IMAGES, UsageError, define_integer, megengine_failures, one_line_errors
 
 FLAGS = flags.FLAGS
 shared_flags.define_model_flags()
@@ -78,7 +77,7 @@ def main(argv):
 
 def run():
     """Console entry point (``megdiffusion-nll``)."""
-    app.run(main, flags_parser=parse_flags)
+    cli.run_command(main)
 
 
 if __name__ == "__main__":

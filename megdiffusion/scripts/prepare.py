@@ -9,14 +9,13 @@ record of what it holds; ``train --data_path DEST`` reads it by memory map. Imag
 code 2, nothing written.
 """
 import os
-import signal
 
-from absl import app, flags
+from absl import flags
 
 from megdiffusion.data.sources import ArraySource
 from megdiffusion.fileio import check_not_input
 from megdiffusion.scripts import cli, shared_flags
-from megdiffusion.scripts.cli import UsageError, define_integer, one_line_errors, parse_flags
+from megdiffusion.scripts.cli import UsageError, define_integer, one_line_errors
 
 FLAGS = flags.FLAGS
 shared_flags.define_image_size_flag()  # the training resolution; images of many sizes need it
@@ -31,10 +30,6 @@ shared_flags.define_overwrite_flag()
 shared_flags.define_progress_flag()
 flags.adopt_module_key_flags(cli)  # so that --help lists the flags defined there and in shared_flags
 flags.adopt_module_key_flags(shared_flags)
-
-
-def _stop_on_sigterm(signum, frame):
-    raise KeyboardInterrupt  # the partial file is removed on the way out
 
 
 def main(argv):
@@ -53,7 +48,6 @@ def main(argv):
         if not size:
             raise UsageError(f"give --image_size (the training resolution) to prepare {src}: its images are decoded "
                              "one by one and may differ in size")
-        signal.signal(signal.SIGTERM, _stop_on_sigterm)
         record = prepare(source, dest, size, FLAGS.workers, FLAGS.skip_bad, FLAGS.overwrite, FLAGS.progress)
     classes = f", {len(record['classes'])} classes" if record["classes"] else \
         (", labelled" if record["has_labels"] else ", no labels")
@@ -74,7 +68,7 @@ def _one_size(source):
 
 def run():
     """Console entry point (``megdiffusion-prepare``)."""
-    app.run(main, flags_parser=parse_flags)
+    cli.run_command(main)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,12 @@ Image i depends only on (--seed, i); a rerun into the same --output continues wh
 ``--guide_ckpt EARLIER_CKPT --guidance 2.5`` guides the model with a weaker version of itself (autoguidance).
 A class-conditional model draws image i of class i mod its number of classes, or every image of ``--class_label``.
 """
-from absl import app, flags
+from absl import flags
 
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.scripts import cli, shared_flags
 from megdiffusion.scripts.cli import (MAX_IMAGES, UsageError, define_integer, megengine_failures, one_line_errors,
-                                      parse_flags, reject_arguments)
+                                      reject_arguments)
 from megdiffusion.training.config import field_bounds
 
 FLAGS = flags.FLAGS
@@ -56,7 +56,7 @@ def main(argv):
 
 
 def run():
-    app.run(main, flags_parser=parse_flags)
+    cli.run_command(main)
 
 
 if __name__ == "__main__":

@@ -10,15 +10,15 @@ RUN's run as its newest checkpoint holds it; the command line may then set only 
 ``--num_gpus N`` trains on N GPUs with the same recipe.
 Bad flags or data: one line on stderr, exit code 2, nothing written.
 """
-import functools
 import sys
 
-from absl import app, flags
+from absl import flags
 
 from megdiffusion import environment
 from megdiffusion.compat import quiet_megengine
+from megdiffusion.scripts import cli
 from megdiffusion.scripts.cli import (UsageError, check_flags_matter, given_on_command_line, megengine_failures,
-                                      one_line_errors, parse_flags, parse_into, reject_arguments)
+                                      one_line_errors, parse_into, reject_arguments)
 from megdiffusion.training import config, recipes
 from megdiffusion.training.config import as_flag, define_flags, to_flagfile
 
@@ -83,13 +83,15 @@ def read_recipe(argv):
     return resumed
 
 
+def _read_recipe_first():
+    environment.check()  # before MegEngine reads its own variables, which it could crash on
+    quiet_megengine()  # before a continued run's checkpoint is read
+    return {"resumed": read_recipe(sys.argv)}
+
+
 def run():
     """Console-script entry point."""
-    with one_line_errors():
-        environment.check()  # before MegEngine reads its own variables, which it could crash on
-        quiet_megengine()  # before a continued run's checkpoint is read
-        resumed = read_recipe(sys.argv)
-    app.run(functools.partial(main, resumed=resumed), flags_parser=parse_flags)
+    cli.run_command(main, first=_read_recipe_first)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import contextlib
 import multiprocessing
 import os
 import queue
-import signal
 import tempfile
 import time
 
@@ -25,7 +24,7 @@ import numpy as np
 
 from megdiffusion.data.sources import DatasetError
 from megdiffusion.errors import MegdiffusionError, one_line
-from megdiffusion.processes import die_with_parent
+from megdiffusion.processes import start_worker
 from megdiffusion.data.loader import batch_images
 from megdiffusion.training.draws import StepDraws
 
@@ -107,8 +106,7 @@ class _Slots:
 
 def _worker(source, draw, path, depth, shape, perturbation, tasks, results, parent):
     """A worker's loop: plans in, arrays into their slot, a short message out."""
-    die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle (a checkpoint first)
+    start_worker()  # Ctrl-C is the main process's to handle (a checkpoint first)
     images = source.open() if isinstance(source, MappedImages) else source
     slots = _Slots(path, depth, shape, perturbation, create=False)
     results.put(("ready", os.getpid()))
