@@ -1,5 +1,9 @@
 """Atomic file writes (every file megdiffusion writes appears complete or not at all), and the output
-directories of the scripts: checked before anything is written, locked while a command writes in them."""
+directories of the scripts: checked before anything is written, locked while a command writes in them.
+
+A write goes to a temporary file (or directory) named ``TEMPORARY`` + a random part beside its destination, locked
+(``flock``) while it is written; one that no process holds is what a killed command left, and the next write into
+that directory removes it."""
 import contextlib
 import fcntl
 import os
@@ -13,8 +17,56 @@ import numpy as np
 from megdiffusion.errors import MegdiffusionError, one_line
 
 
+TEMPORARY = ".megdiffusion-partial-"
+
+
 class OutputError(MegdiffusionError):
     """An output path that cannot be written, or is in use or holds other files; the message is one line."""
+
+
+def _locked(path):
+    """A descriptor of ``path`` (a file or a directory) holding an exclusive lock on it, or None if another process
+    holds one."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+_SWEPT = set()  # the directories whose leftovers this process removed (once each: a directory may hold 50,000 images)
+
+
+def remove_leftovers(directory):
+    """Remove the temporary files and directories in ``directory`` that killed commands left (no process holds
+    their lock), once a process; returns their paths."""
+    removed = []
+    if directory in _SWEPT:
+        return removed
+    _SWEPT.add(directory)
+    for entry in sorted(os.listdir(directory)):
+        path = os.path.join(directory, entry)
+        if not entry.startswith(TEMPORARY) or os.path.islink(path):
+            continue
+        try:
+            fd = _locked(path)
+        except OSError:  # gone already, or not ours to open
+            continue
+        if fd is None:
+            continue
+        try:
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+            removed.append(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 @contextlib.contextmanager
@@ -25,7 +77,9 @@ def atomic_write(path, mode="wb"):
     directory = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+        remove_leftovers(directory)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=TEMPORARY)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a file in use, not a leftover; released when closed
     except OSError as err:
         raise OSError(err.errno, f"cannot write: {err.strerror}", str(path)) from None
     try:
@@ -34,7 +88,7 @@ def atomic_write(path, mode="wb"):
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)  # still locked: never taken for a leftover
     except BaseException as err:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
@@ -49,7 +103,9 @@ def atomic_directory(path):
     ``path`` is replaced whole), on any error it is removed and ``path`` is left as it was."""
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-")
+    remove_leftovers(parent)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=TEMPORARY)
+    lock = _locked(tmp)
     try:
         os.chmod(tmp, 0o777 & ~_umask())
         yield tmp
@@ -63,6 +119,8 @@ def atomic_directory(path):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        os.close(lock)
 
 
 def _umask():

@@ -103,7 +103,21 @@ def _cifar10_batches(path):
             contents.append({key: np.asarray(content[key]) for key in (b"data", b"labels")})
         except Exception as exc:  # noqa: BLE001 - any failure means an unreadable batch
             raise DatasetError(f"cannot read CIFAR-10 batch {batch}: {one_line(exc)}") from None
+        _check_cifar10_batch(batch, **{key.decode(): value for key, value in contents[-1].items()})
     return contents
+
+
+def _check_cifar10_batch(batch, data, labels):
+    """``DatasetError`` unless a batch holds rows of 3072 bytes (a 32x32 RGB image) and one label 0-9 a row."""
+    if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or not np.issubdtype(data.dtype, np.integer) or \
+            (data.size and (data.min() < 0 or data.max() > 255)):
+        raise DatasetError(f"CIFAR-10 batch {batch} holds data {data.dtype} {data.shape}, not rows of 3072 bytes "
+                           "(32x32 RGB images); use the python version of CIFAR-10 (cifar-10-python.tar.gz)")
+    if labels.shape != (len(data),) or not np.issubdtype(labels.dtype, np.integer) or \
+            (labels.size and (labels.min() < 0 or labels.max() > 9)):
+        raise DatasetError(f"CIFAR-10 batch {batch} holds labels {labels.dtype} {labels.shape} for {len(data)} "
+                           "images, not one class 0-9 an image; use the python version of CIFAR-10 "
+                           "(cifar-10-python.tar.gz)")
 
 
 def _cifar10(path):
@@ -237,15 +251,30 @@ _LABEL_LOADERS = {
 
 def load_labels(name, path=None):
     """The class labels of dataset ``name`` (one of ``DATASETS``) at ``path``, one per image of ``load_dataset``'s, as
-    int32 (N,): Fashion-MNIST's and CIFAR-10's classes 0-9 (their idx label files and batches), an npz's 'arr_1';
-    ``DatasetError`` for a folder of images, which has none."""
+    int32 (N,): Fashion-MNIST's and CIFAR-10's classes 0-9 (their idx label files and batches), an npz's 'arr_1', a
+    folder's subfolders, a prepared file's; ``DatasetError`` for a dataset without labels, or labels that are not
+    integers that int32 holds."""
     if name not in _LABEL_LOADERS:
         raise DatasetError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
     labels = np.asarray(_LABEL_LOADERS[name](path))
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
         raise DatasetError(f"class labels of dataset {name!r} at {path} must be integers, one per image; "
                            f"got {labels.dtype} {labels.shape}")
+    int32 = np.iinfo(np.int32)
+    if len(labels) and (labels.min() < int32.min or labels.max() > int32.max):
+        extreme = labels.max() if labels.max() > int32.max else labels.min()
+        raise DatasetError(f"class labels of dataset {name!r} at {path} must be class numbers 0, 1, 2, ...; got "
+                           f"{extreme}, which does not fit 32 bits: number the classes from 0")
     return labels.astype(np.int32)
+
+
+def class_names(name, path=None):
+    """The class names a dataset records (a prepared file's, a folder's first-level subfolders), or None."""
+    if name == "prepared" and path is not None and is_prepared(path):
+        return read_record(path)["classes"]
+    if name == "folder" and path is not None and Path(path).is_dir():
+        return ImageFolder(path).labels()[1]
+    return None
 
 
 _LOADERS = {

@@ -1,4 +1,4 @@
-"""The prepared dataset: one file of uint8 NHWC images at the training resolution, read by memory map.
+"""The prepared dataset: one file of uint8 NHWC images at the training resolution, read image by image.
 
 Layout: ``MAGIC`` and two little-endian uint64 (the record's offset and length) in the first 24 bytes; the images
 from byte ``DATA_OFFSET``, image after image; int32 class labels after them when the source has labels; the record
@@ -6,8 +6,10 @@ from byte ``DATA_OFFSET``, image after image; int32 class labels after them when
 temporary name and renamed when whole (``fileio.atomic_write``), so a killed or failed ``prepare`` leaves nothing
 that ``open_prepared`` accepts; a truncated or damaged file fails its size check.
 
-A mapped file's pages are page cache: every process that trains on it shares them, and none holds the dataset in
-its own memory.
+Images are read with ``pread`` from a descriptor held open (``PreparedImages``), not through a memory map: the file's
+pages are page cache all the same (every process that trains on it shares them, none holds the dataset in its own
+memory), but a file truncated or replaced under a running training is one error line, where a mapped page past a
+truncated file's end kills the process with SIGBUS.
 """
 import collections
 import hashlib
@@ -41,30 +43,71 @@ def is_prepared(path):
 
 
 class PreparedDataset:
-    """A prepared file opened: ``images`` (a read-only ``np.memmap``, N x S x S x C), ``labels`` (int32 (N,) or
-    None), ``record`` (the JSON record). Pickles as its path (worker processes map the file again)."""
+    """A prepared file opened: ``images`` (``PreparedImages``, N x S x S x C), ``labels`` (int32 (N,) or None),
+    ``record`` (the JSON record)."""
 
     def __init__(self, path):
         self.path = os.fspath(path)
         self.record = read_record(self.path)
         r = self.record
-        self.images = np.memmap(self.path, np.uint8, "r", DATA_OFFSET, (r["count"], r["size"], r["size"],
-                                                                        r["channels"]))
+        self.images = PreparedImages(self.path, (r["count"], r["size"], r["size"], r["channels"]))
         self.labels = None
         if r["has_labels"]:
-            offset = DATA_OFFSET + self.images.size
+            offset = DATA_OFFSET + self.images.nbytes
             self.labels = np.fromfile(self.path, "<i4", r["count"], offset=offset).astype(np.int32)
 
-    def __reduce__(self):
-        return PreparedDataset, (self.path,)
 
-    def describe(self):
-        """One line: how many images, at what size, from what, in how many classes."""
-        r = self.record
-        classes = f", {len(r['classes'])} classes" if r["classes"] else (", labelled" if r["has_labels"] else "")
-        skipped = f", {len(r['skipped'])} unreadable skipped" if r["skipped"] else ""
-        return (f"{r['count']:,} images of {r['size']}x{r['size']}x{r['channels']}{classes}{skipped} "
-                f"(prepared from {r['source']}: {r['crop']})")
+class PreparedImages:
+    """The images of a prepared file, indexed like a uint8 NHWC array (an int: one HWC image; a slice or an index
+    array: stacked), each read from the file (``os.pread``) when asked for. ``DatasetError`` when the file was
+    truncated, or replaced by another, since it was opened. Pickles as its path and identity (a worker process opens
+    the same file again, and refuses another one under that name)."""
+
+    def __init__(self, path, shape, identity=None):
+        self.path, self.shape = path, tuple(shape)
+        self.image_bytes = int(np.prod(self.shape[1:]))
+        self.nbytes = self.shape[0] * self.image_bytes
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        status = os.fstat(self._fd)
+        self.identity = (status.st_dev, status.st_ino)
+        if identity is not None and tuple(identity) != self.identity:
+            os.close(self._fd)
+            raise DatasetError(f"{path} was replaced by another file while the run used it; continue with --resume "
+                               "once it holds the prepared data again")
+
+    def __reduce__(self):
+        return PreparedImages, (self.path, self.shape, self.identity)
+
+    def __del__(self):
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __getitem__(self, index):
+        if isinstance(index, (int, np.integer)):
+            return self._read([int(index)])[0]
+        if isinstance(index, slice):
+            index = range(len(self))[index]
+        return self._read([int(i) for i in np.asarray(index).reshape(-1)])
+
+    def _read(self, indices):
+        out = np.empty((len(indices),) + self.shape[1:], np.uint8)
+        flat = out.reshape(len(indices), self.image_bytes)
+        for row, i in enumerate(indices):
+            if not -len(self) <= i < len(self):
+                raise IndexError(f"image {i} is outside the {len(self)} images of {self.path}")
+            offset = DATA_OFFSET + (i % len(self)) * self.image_bytes
+            data = os.pread(self._fd, self.image_bytes, offset)
+            if len(data) != self.image_bytes:
+                size = os.fstat(self._fd).st_size
+                raise DatasetError(f"{self.path} was truncated while the run used it ({size:,} bytes now, its images "
+                                   f"end at byte {DATA_OFFSET + self.nbytes:,}); prepare it again, then continue "
+                                   "with --resume")
+            flat[row] = np.frombuffer(data, np.uint8)
+        return out
 
 
 def read_record(path):

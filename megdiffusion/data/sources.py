@@ -12,6 +12,7 @@ decode while the caller reads on.
 """
 import io
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -76,14 +77,35 @@ def decode(kind, name, item, size):
 
 
 def image_paths(root):
-    """The image files under ``root`` (recursive, ``IMAGE_EXTENSIONS``), sorted by their path relative to it."""
+    """The image files under ``root`` (recursive, ``IMAGE_EXTENSIONS``), sorted by their path relative to it.
+    Symbolic links are followed, but each real directory is walked once and never one that holds ``root`` (a link
+    loop adds nothing), each real file is listed once (under its first path in that order), and only regular files
+    count (a FIFO or device named like an image would block or never end)."""
     root = Path(root)
-    found = []
+    real_root = os.path.realpath(root)
+    walked, found = set(), []
     for directory, subdirectories, files in os.walk(root, followlinks=True):
-        subdirectories.sort()
+        walked.add(os.path.realpath(directory))
+        subdirectories[:] = [name for name in sorted(subdirectories)
+                             if _walk_into(os.path.realpath(os.path.join(directory, name)), walked, real_root)]
         found += [os.path.join(directory, name) for name in files if name.lower().endswith(IMAGE_EXTENSIONS)]
     found.sort(key=lambda p: Path(p).relative_to(root).parts)
-    return found
+    seen, unique = set(), []
+    for path in found:
+        try:
+            status = os.stat(path)
+        except OSError:  # a dangling link
+            continue
+        if stat.S_ISREG(status.st_mode) and (status.st_dev, status.st_ino) not in seen:
+            seen.add((status.st_dev, status.st_ino))
+            unique.append(path)
+    return unique
+
+
+def _walk_into(real, walked, real_root):
+    """Whether the walk goes into the directory whose real path is ``real``: not one walked already, not an
+    ancestor of the root."""
+    return real not in walked and not real_root.startswith(real.rstrip(os.sep) + os.sep)
 
 
 def subfolder_classes(root, paths):

@@ -396,7 +396,7 @@ def resolve(cfg):
     """Open the dataset (a prepared file by memory map, a folder as a list of paths: nothing is decoded here), fill
     ``image_size``/``image_channels`` from it and validate: ``(cfg, images)``. A ``--data_path`` to a prepared file
     makes the dataset "prepared"."""
-    from megdiffusion.data.datasets import load_dataset, load_labels
+    from megdiffusion.data.datasets import class_names, load_dataset, load_labels
     from megdiffusion.data.prepared import is_prepared
 
     if cfg.data_path is not None and cfg.dataset != "prepared" and is_prepared(cfg.data_path):
@@ -414,6 +414,11 @@ def resolve(cfg):
                           f"fewer than --batch_size {cfg.batch_size}")
     if cfg.num_classes:
         check_labels(load_labels(cfg.dataset, path=cfg.data_path), len(images), cfg.num_classes)
+        names = class_names(cfg.dataset, cfg.data_path)
+        if names and len(names) != cfg.num_classes:
+            raise ConfigError(f"{cfg.data_path} holds {len(names)} classes ({', '.join(names[:4])}"
+                              f"{', ...' if len(names) > 4 else ''}), not --num_classes {cfg.num_classes}; set "
+                              f"--num_classes {len(names)}")
     return cfg, images
 
 

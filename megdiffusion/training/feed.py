@@ -9,7 +9,7 @@ process killed in that window is removed by the next run's start): handing over 
 copy.
 
 Images held in memory (a plain array) are gathered by the main process (cheap at the sizes one holds in memory);
-images read from disk (a prepared file's memory map, a streamed folder) are read by the workers, so decoding is off
+images read from disk (a prepared file, a streamed folder) are read by the workers, so decoding is off
 the step's critical path. The checkpointed position (``state_dict``) is that of the last step handed out, not of the
 steps planned ahead: exact resume is unchanged.
 """
@@ -60,25 +60,10 @@ class FeedError(MegdiffusionError):
     """A data worker died or failed; the message is one line."""
 
 
-class MappedImages:
-    """A memory-mapped uint8 image array that pickles as its file, offset and shape (not as its pixels)."""
-
-    def __init__(self, array):
-        self.spec = (array.filename, array.offset, array.shape)
-
-    def open(self):
-        filename, offset, shape = self.spec
-        return np.memmap(filename, np.uint8, "r", offset, shape)
-
-
 def _readable_elsewhere(images):
-    """What a worker process reads the images through (a memory map's spec, a streamed folder), or None when they
-    are a plain array in this process's memory."""
-    if isinstance(images, np.memmap) and images.filename:
-        return MappedImages(images)
-    if not isinstance(images, np.ndarray):
-        return images
-    return None
+    """What a worker process reads the images through (a prepared file's ``PreparedImages``, a streamed folder: each
+    pickles as its file or paths), or None when they are a plain array in this process's memory."""
+    return None if isinstance(images, np.ndarray) else images
 
 
 class _Slots:
@@ -104,10 +89,9 @@ class _Slots:
         return parts[0], parts[1], parts[2] if self.parts == 3 else None
 
 
-def _worker(source, draw, path, depth, shape, perturbation, tasks, results, parent):
+def _worker(images, draw, path, depth, shape, perturbation, tasks, results, parent):
     """A worker's loop: plans in, arrays into their slot, a short message out."""
     start_worker()  # Ctrl-C is the main process's to handle (a checkpoint first)
-    images = source.open() if isinstance(source, MappedImages) else source
     slots = _Slots(path, depth, shape, perturbation, create=False)
     results.put(("ready", os.getpid()))
     while True:
@@ -129,7 +113,7 @@ def _worker(source, draw, path, depth, shape, perturbation, tasks, results, pare
             if pert is not None:
                 pert[...] = draws.perturbation
             results.put(("done", step, draws.t, draws.labels, draws.dropout_seed))
-        except DatasetError as exc:  # an unreadable image of a streamed folder
+        except DatasetError as exc:  # an unreadable image of a streamed folder, a prepared file truncated
             results.put(("failed", step, DatasetError, str(exc)))
         except Exception as exc:  # noqa: BLE001 - reported as one line by the main process
             results.put(("failed", step, FeedError, f"a data worker failed at step {step + 1}: "

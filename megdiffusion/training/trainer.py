@@ -151,13 +151,18 @@ class Trainer:
 def check_logdir(cfg, images=None):
     """The checkpoint a run resumes from, ``(state, path)`` or None, checked before anything is written:
     ``CheckpointError`` for a fresh run on top of another run's checkpoints, a checkpoint of another recipe or of
-    other data than ``images``, or ``--init_from`` weights that do not fit the network."""
+    other data than ``images``, a run already past ``total_steps``, or ``--init_from`` weights that do not fit the
+    network."""
     if not cfg.resume and ckpt.list_checkpoints(cfg.logdir):
         raise ckpt.CheckpointError(f"{cfg.logdir} already holds checkpoints; pass --resume to continue that "
                                    "run or choose another --logdir")
     latest = ckpt.load_latest(cfg.logdir) if cfg.resume else None
     if latest is not None:
         ckpt.check_recipe(*latest, cfg)
+        if latest[0]["step"] > cfg.total_steps:
+            raise ConfigError(f"--resume continues the run in {cfg.logdir}, which is at step {latest[0]['step']}, past "
+                              f"--total_steps {cfg.total_steps}; give --total_steps above {latest[0]['step']} to train "
+                              "on")
         if images is not None:
             ckpt.check_data(*latest, dataset_identity(cfg.dataset, cfg.data_path, len(images)))
         started_from = latest[0]["config"].get("init_from")
