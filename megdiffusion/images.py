@@ -3,6 +3,8 @@
 Convention: NCHW float32 in [-1, 1] inside the models, NHWC uint8 at the edges (files, datasets, FID).
 Every image file is read through :func:`open_image`, which gives 8 bits per channel.
 """
+import warnings
+
 import numpy as np
 from PIL import Image
 
@@ -54,22 +56,48 @@ def save_png(path, image):
         Image.fromarray(image).save(f, format="PNG")
 
 
-def open_image(path, mode="RGB"):
-    """The image file at ``path`` as a loaded PIL image with 8 bits per channel, converted to ``mode`` (None:
-    the file's own). 16-bit gray is scaled to 8 bits (65535 -> 255); 32-bit integer or float pixels, and
-    files that do not read, raise :class:`ImageError` naming the file."""
+def open_image(path, mode="RGB", name=None):
+    """The image file at ``path`` (or a file object, called ``name``) as a loaded PIL image with 8 bits per channel,
+    converted to ``mode`` (None: the file's own). 16-bit gray is scaled to 8 bits (65535 -> 255); 32-bit integer
+    or float pixels, and files that do not read, raise :class:`ImageError` naming the file. Pillow's warnings about
+    a file (a large image, odd EXIF data, a palette's transparency) stay off the terminal: the image reads, or
+    the error says why not."""
+    return _read(_eight_bit, path, mode, path if name is None else name)
+
+
+def check_image(path):
+    """``ImageError`` (``open_image``'s) unless the file at ``path`` begins as an image Pillow reads (its header
+    only: fast enough to check every file of a folder before a run writes anything)."""
+    _read(_header, path, None, path)
+
+
+def _read(read, path, mode, name):
+    """``read(path, mode, name)`` with Pillow's warnings silenced and its errors as one ``ImageError``."""
     try:
-        with Image.open(path) as image:
-            image.load()
-            if image.mode in SIXTEEN_BIT_MODES:
-                scaled = np.rint(np.asarray(image, dtype=np.float64) / 257.0).astype(np.uint8)
-                return Image.fromarray(scaled).convert(mode or "L")
-            if image.mode in ("I", "F"):
-                raise ImageError(f"{path} has 32-bit {'float' if image.mode == 'F' else 'integer'} pixels; "
-                                 "convert it to 8 or 16 bits per channel")
-            return image.convert(mode) if mode else image.copy()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return read(path, mode, name)
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise ImageError(f"cannot read image {path}: {one_line(exc)}; remove or replace it") from None
+        raise ImageError(f"cannot read image {name}: {one_line(exc)}; remove or replace it") from None
+
+
+def _header(path, mode, name):
+    """Open the image's header, nothing more."""
+    with Image.open(path):
+        pass
+
+
+def _eight_bit(path, mode, name):
+    """``open_image`` with the warnings as the caller set them."""
+    with Image.open(path) as image:
+        image.load()
+        if image.mode in SIXTEEN_BIT_MODES:
+            scaled = np.rint(np.asarray(image, dtype=np.float64) / 257.0).astype(np.uint8)
+            return Image.fromarray(scaled).convert(mode or "L")
+        if image.mode in ("I", "F"):
+            raise ImageError(f"{name} has 32-bit {'float' if image.mode == 'F' else 'integer'} pixels; "
+                             "convert it to 8 or 16 bits per channel")
+        return image.convert(mode) if mode else image.copy()
 
 
 def read_image(path, mode="RGB"):

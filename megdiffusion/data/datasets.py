@@ -13,6 +13,7 @@ from megdiffusion.data.prepared import PreparedDataset, is_prepared, read_record
 from megdiffusion.data.sources import CROP_RULE, IMAGE_EXTENSIONS, ArraySource, DatasetError, FolderSource, \
     LmdbSource, decode_array, decode_file, image_paths, is_lmdb, subfolder_classes
 from megdiffusion.errors import one_line
+from megdiffusion.images import ImageError, check_image
 from megdiffusion.fileio import read_npz
 from megdiffusion.torch_archive import load_array_pickle
 
@@ -183,18 +184,34 @@ class Subset:
 def _folder(path, image_size):
     if path is None or not Path(path).is_dir():
         raise DatasetError(f"--data_path must be a directory of images for dataset 'folder', got {path!r}")
+    if is_lmdb(path):
+        raise DatasetError(f"--data_path {path} is an LMDB database (LSUN's), not a folder of images: prepare it "
+                           f"(python -m megdiffusion.scripts.prepare {path} DEST --image_size N), then train with "
+                           "--data_path DEST")
+    if _array_dataset(Path(path)):
+        raise DatasetError(f"--data_path {path} holds {_array_dataset(Path(path))}'s files, not a folder of images: "
+                           f"use --dataset {_array_dataset(Path(path))}")
     if not image_size:
         raise DatasetError("dataset 'folder' needs --image_size (images are centre-cropped and resized to it)")
-    return ImageFolder(path, image_size)
+    folder = ImageFolder(path, image_size)
+    for image in folder.paths:  # an unreadable file is found before the run writes anything, not at its step
+        try:
+            check_image(image)
+        except ImageError as exc:
+            raise DatasetError(str(exc)) from None
+    return folder
 
 
-def _prepared(path, image_size):
+def _prepared(path, image_size, resumed=False):
     if path is None or not is_prepared(path):
         raise DatasetError(f"--data_path must be a file written by megdiffusion.scripts.prepare for dataset "
                            f"'prepared', got {path!r}")
     dataset = PreparedDataset(path)
     size = dataset.record["size"]
     if image_size and image_size != size:
+        if resumed:
+            raise DatasetError(f"{path} holds {size}x{size} images, but the run continued trains at "
+                               f"{image_size}x{image_size}: prepare the source again with --image_size {image_size}")
         raise DatasetError(f"{path} holds {size}x{size} images, not --image_size {image_size}: prepare the source "
                            f"again with --image_size {image_size}, or train at {size}")
     return dataset.images
@@ -278,17 +295,18 @@ def class_names(name, path=None):
 
 
 _LOADERS = {
-    "fashion_mnist": lambda path, size: _fashion_mnist(path),
-    "cifar10": lambda path, size: _cifar10(path),
-    "folder": _folder,
-    "npz": lambda path, size: _npz(path),
+    "fashion_mnist": lambda path, size, resumed: _fashion_mnist(path),
+    "cifar10": lambda path, size, resumed: _cifar10(path),
+    "folder": lambda path, size, resumed: _folder(path, size),
+    "npz": lambda path, size, resumed: _npz(path),
     "prepared": _prepared,
 }
 DATASETS = tuple(_LOADERS)
 
 
-def load_dataset(name, path=None, image_size=None):
-    """Load dataset ``name`` (one of ``DATASETS``) as uint8 NHWC; resize to ``image_size`` when given.
+def load_dataset(name, path=None, image_size=None, resumed=False):
+    """Load dataset ``name`` (one of ``DATASETS``) as uint8 NHWC; resize to ``image_size`` when given (``resumed``:
+    the size of a continued run, which cannot change).
 
     "fashion_mnist" without a path is the embedded Fashion-MNIST test split (10,000 28x28 images).
     "cifar10" reads the python batches (train split) in RGB order. "folder" reads images recursively,
@@ -298,7 +316,7 @@ def load_dataset(name, path=None, image_size=None):
         raise DatasetError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
     if path is not None and not os.path.exists(path):
         raise DatasetError(f"data path {path} does not exist")
-    images = _LOADERS[name](path, image_size)
+    images = _LOADERS[name](path, image_size, resumed)
     if len(images) == 0:
         raise DatasetError(f"dataset {name!r} at {path} is empty")
     if image_size and images.shape[1:3] != (image_size, image_size):

@@ -51,10 +51,9 @@ def decode_file(path, size):
 def decode_encoded(name, data, size):
     """Encoded image bytes (an LMDB value) as uint8 (size, size, 3) RGB; ``DatasetError`` naming the entry."""
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            image = image.convert("RGB")
-    except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise DatasetError(f"cannot read image {name}: {one_line(exc)}; remove it, or pass --skip_bad") from None
+        image = open_image(io.BytesIO(data), name=name)
+    except ImageError as exc:
+        raise DatasetError(f"{exc}, or pass --skip_bad") from None
     return np.asarray(fit_square(image, size))
 
 

@@ -125,8 +125,8 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
     fraction = guide_fraction(start_step, run_steps) if run_steps else GUIDE_FRACTION
     if fraction == 0 and not os.path.isfile(guide_path):
         fraction = GUIDE_FRACTION
-    first = dataclasses.replace(cfg, time_limit_minutes=(minutes or 0) * fraction,
-                                total_steps=start_step + int(batches * fraction) if batches else cfg.total_steps)
+    first = dataclasses.replace(cfg, time_limit_minutes=(minutes or 0) * fraction, total_steps=start_step + max(
+        1, int(batches * fraction)) if batches else cfg.total_steps)  # the guide has at least one step
     second = dataclasses.replace(cfg, resume=cfg.resume or fraction > 0,
                                  time_limit_minutes=(minutes or 0) * (1 - fraction))
     if num_images + num_reference > len(images):
@@ -134,7 +134,8 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
                          f"{len(images)} training images: the floor's real images must be apart from the reference")
     steps = shared_flags.default_steps("demo", sampler, steps)
     check_sampler(build_diffusion(cfg), sampler, steps, spacing=spacing, order=order)  # before training, not after it
-    check_training(cfg)  # before the demo's own files, not after them
+    for part in (first, second) if fraction > 0 else (second,):
+        check_training(part)  # before the demo's own files, not after them
     with output_directory(output, "--output", MARKER):
         prepare_output(output, resume)
         started = time.monotonic()

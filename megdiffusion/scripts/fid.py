@@ -20,8 +20,8 @@ from megdiffusion.fileio import check_not_input, check_writable
 from megdiffusion.metrics.kid_pr import KID_SEED, KID_SUBSET_SIZE, KID_SUBSETS
 from megdiffusion.metrics.scores import check_sizes, compare, needs_features, parse_metrics, score_lines
 from megdiffusion.scripts import cli, shared_flags
-from megdiffusion.scripts.cli import (MAX_IMAGES, UsageError, check_flags_matter, define_integer, megengine_failures,
-                                      one_line_errors)
+from megdiffusion.scripts.cli import (MAX_IMAGES, UsageError, check_flags_matter, define_integer, given_on_command_line,
+                                      megengine_failures, one_line_errors)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_boolean("save_stats", False, "Write the statistics of PATH to OUT.npz instead of computing FID.")
@@ -138,6 +138,11 @@ def main(argv):
         metrics = parse_metrics(FLAGS.metrics)
         if FLAGS.save_features and not FLAGS.save_stats:
             raise UsageError("--save_features keeps the features in the file --save_stats writes; add --save_stats")
+        if FLAGS.save_stats and "metrics" in given_on_command_line(FLAGS):
+            keep = "" if FLAGS.save_features else \
+                " (--save_features keeps the features that KID and precision/recall need when the file is scored)"
+            raise UsageError(f"--metrics does nothing with --save_stats, which writes statistics and scores nothing; "
+                             f"drop --metrics{keep}")
         if FLAGS.ckpt:
             if len(paths) != 1:
                 raise UsageError(f"with --ckpt give one reference PATH (images or stats npz); got {len(paths)}")

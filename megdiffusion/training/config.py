@@ -403,7 +403,7 @@ def resolve(cfg):
         cfg = cfg.replace(dataset="prepared")
     if cfg.image_size is not None:
         validate(cfg)  # fail before reading a possibly large dataset
-    images = load_dataset(cfg.dataset, path=cfg.data_path, image_size=cfg.image_size)
+    images = load_dataset(cfg.dataset, path=cfg.data_path, image_size=cfg.image_size, resumed=cfg.resume)
     height, width, channels = images.shape[1:]
     if height != width:
         raise ConfigError(f"dataset images are {height}x{width}; set --image_size to centre-crop them square")

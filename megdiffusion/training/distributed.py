@@ -25,12 +25,14 @@ def is_multiprocess(num_gpus, world_size=None):
 def check_launch(num_gpus, device="auto", world_size=None, rank_start=0, port=0):
     """Fail early, in one line, when the device or distributed flags cannot work here."""
     multiprocess = is_multiprocess(num_gpus, world_size)
+    # what asks for several processes, and the change that makes it one
+    several, one = ((f"--num_gpus {num_gpus}", "--num_gpus 1") if num_gpus > 1 else
+                    (f"--world_size {world_size}", "--world_size 1 (or no --world_size)"))
     if multiprocess and device == "cpu":
-        raise LaunchError("distributed runs use GPUs only; drop --device cpu or use --num_gpus 1")
+        raise LaunchError(f"distributed runs ({several}) use GPUs only; drop --device cpu, or use {one}")
     if (device == "gpu" or multiprocess) and not cuda_available():
-        what = f"--num_gpus {num_gpus}" if multiprocess else "--device gpu"
-        raise LaunchError(f"{what} needs CUDA GPUs, but MegEngine sees none on this machine; "
-                          f"use {'--num_gpus 1' if multiprocess else '--device cpu'}")
+        raise LaunchError(f"{several if multiprocess else '--device gpu'} needs CUDA GPUs, but MegEngine sees none "
+                          f"on this machine; use {one if multiprocess else '--device cpu'}")
     if rank_start > 0 and port == 0:
         raise LaunchError("--rank_start > 0 (a machine other than the master) needs the master's --port")
 

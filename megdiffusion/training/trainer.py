@@ -20,7 +20,7 @@ from megdiffusion.fileio import output_directory
 from megdiffusion.images import save_png
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
-from megdiffusion.training.config import ConfigError, TrainConfig, build_diffusion, build_model
+from megdiffusion.training.config import ConfigError, TrainConfig, build_diffusion, build_model, validate
 from megdiffusion.training.draws import PER_SAMPLE, draw_step, first_sample
 from megdiffusion.training.feed import StepFeed
 from megdiffusion.training.outputs import RUN_MARKER, RunLogger, grid_path, sample_grid, write_run_files
@@ -367,8 +367,10 @@ def _worker(cfg, images=None, latest=None, progress=True):
 
 
 def check_training(cfg):
-    """What ``train`` checks of the machine before it writes anything: the devices and distributed flags, and the
-    step's options (``engine.check_step_options``); for callers that write before training (the demo)."""
+    """What ``train`` checks before it writes anything, but the logdir: the config itself (``config.validate``), the
+    devices and distributed flags, and the step's options (``engine.check_step_options``); for callers that write
+    before training (the demo)."""
+    validate(cfg)
     distributed.check_launch(cfg.num_gpus, cfg.device, cfg.world_size, cfg.rank_start, cfg.port)
     check_step_options(cfg)
 
