@@ -78,6 +78,7 @@ def atomic_write(path, mode="wb"):
     try:
         os.makedirs(directory, exist_ok=True)
         remove_leftovers(directory)
+        before = os.stat(directory)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=TEMPORARY)
         fcntl.flock(fd, fcntl.LOCK_EX)  # a file in use, not a leftover; released when closed
     except OSError as err:
@@ -92,6 +93,7 @@ def atomic_write(path, mode="wb"):
     except BaseException as err:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+        _set_times(directory, before)  # no trace left, the directory's modification time included
         if isinstance(err, OSError):
             raise OSError(err.errno, f"cannot write: {err.strerror or err}", str(path)) from None
         raise
@@ -182,13 +184,30 @@ def check_writable(path, flag, directory=True, overwrite=False):
     if not os.path.isdir(existing):
         raise OutputError(f"{flag} {path} cannot be made: {existing} is a file; choose another {flag}")
     try:
-        fd, probe = tempfile.mkstemp(dir=existing, prefix=".probe-")
-        os.close(fd)
-        os.remove(probe)
+        with _mtime_kept(existing):  # the probe leaves no trace, the directory's modification time included
+            fd, probe = tempfile.mkstemp(dir=existing, prefix=".probe-")
+            os.close(fd)
+            os.remove(probe)
     except OSError as err:
         raise OutputError(f"{flag} {path} cannot be written ({err.strerror} in {existing}); "
                           f"choose another {flag}") from None
     return existing
+
+
+@contextlib.contextmanager
+def _mtime_kept(directory):
+    """Give ``directory`` its access and modification times back after the block (whatever the block did in it)."""
+    before = os.stat(directory)
+    try:
+        yield
+    finally:
+        _set_times(directory, before)
+
+
+def _set_times(path, status):
+    """Give ``path`` the access and modification times of ``status`` (an ``os.stat`` result), if it can be."""
+    with contextlib.suppress(OSError):
+        os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns))
 
 
 def check_not_input(output, flag, *inputs):
@@ -211,6 +230,7 @@ def output_directory(path, flag, marker):
     but not ``marker`` (the file the command writes there first) is refused: it belongs to something else.
     Directories it created are removed again when the block fails before writing in them."""
     existing = check_writable(path, flag)
+    existed_before = os.stat(existing)
     os.makedirs(path, exist_ok=True)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -224,18 +244,21 @@ def output_directory(path, flag, marker):
                               f"choose a new or empty {flag}")
         yield
     except BaseException:
-        _remove_empty_directories(path, existing)  # a check in the block failed: leave no trace
+        # A check in the block failed: leave no trace (the directories made, and the time they changed).
+        if _remove_empty_directories(path, existing) and os.path.abspath(path) != existing:
+            _set_times(existing, existed_before)
         raise
     finally:
         os.close(fd)  # releases the lock
 
 
 def _remove_empty_directories(path, stop):
-    """Remove ``path`` and its parents below ``stop`` while they are empty."""
+    """Remove ``path`` and its parents below ``stop`` while they are empty; whether all of them went."""
     path = os.path.abspath(path)
     while path != stop:
         try:
             os.rmdir(path)
         except OSError:  # not empty (or not ours to remove)
-            return
+            return False
         path = os.path.dirname(path)
+    return True

@@ -2,8 +2,10 @@
 ends with exit code 2, one ``error:`` line that names the problem, no traceback, and every file as it was
 (the case's directory, the shared files it reads, and an empty HOME)."""
 import hashlib
+import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -143,7 +145,7 @@ CASES = [
                                            "--steps=41", "images"], "heun takes at most 40 steps there"),
     ("50:grid-euler-over-T", "train", [*TRAIN, "--sample_every=1", "--sample_sampler=euler",
                                        "--sample_spacing=leading", "--sample_steps=41"],
-     "--sample_sampler/--sample_steps/--sample_spacing/--sample_order: --steps 41 is more than"),
+     "--sample_steps 41 is more than --sample_spacing leading can place on this model's 40 timesteps"),
     ("50:demo-dpmpp-leading-over-T", "demo", [*DEMO, "--sampler=dpmpp_3m", "--spacing=leading", "--steps=2000"],
      "dpmpp_3m takes at most 1000 steps there"),
     # cause B: guidance bounded (its float32 overflow gave NaN images; tests/test_sample.py for the finiteness check)
@@ -294,7 +296,8 @@ CASES = [
     ("17:logdir-proc", "train", [*TRAIN, "--logdir=/proc/x"], "--logdir /proc/x cannot be written"),
     ("17:logdir-file", "train", [*TRAIN, "--logdir=afile.txt"], "--logdir afile.txt is a file"),
     ("logdir-under-file", "train", [*TRAIN, "--logdir=afile.txt/sub"], "afile.txt is a file"),
-    ("17:missing-flagfile", "train", ["--flagfile=nope.cfg"], "error: cannot open flagfile nope.cfg: No such file or directory"),
+    ("17:missing-flagfile", "train", ["--flagfile=nope.cfg"],
+     "error: cannot open flagfile nope.cfg: No such file or directory"),
     ("init-from-missing", "train", [*TRAIN, "--logdir=new", "--init_from=nope.pkl"], "no checkpoint file at nope.pkl"),
     ("init-from-crafted", "train", [*TRAIN, "--logdir=new", "--init_from=evil.pkl"], "refusing to load builtins.exec"),
     ("init-from-other-network", "train", [*TRAIN, "--logdir=new", "--init_from=run", "--model_channels=64"],
@@ -308,8 +311,8 @@ CASES = [
      " images; it holds: mu)"),
     ("npy-named-npz", "train", [*TRAIN, "--data_path=array.npz"], "holds a single .npy array, not an npz archive"),
     ("damaged-npz", "train", [*TRAIN, "--data_path=broken.npz"], "cannot read broken.npz as an npz archive"),
-    ("streamed-folder-smaller-than-the-batch", "train", [*TRAIN, "--dataset=folder", "--data_path=images_broken",
-                                                         "--image_size=8"], "the dataset has 1 images, fewer than"),
+    ("streamed-folder-smaller-than-the-batch", "train", [*TRAIN, "--dataset=folder", "--data_path=images",
+                                                         "--image_size=8"], "the dataset has 3 images, fewer than"),
     ("empty-folder", "train", [*TRAIN, "--dataset=folder", "--data_path=empty", "--image_size=8"], "no images"),
     ("crafted-cifar-batch", "train", [*TRAIN, "--dataset=cifar10", "--data_path=cifar_evil"],
      "refusing to load __builtin__.exec"),
@@ -366,7 +369,8 @@ CASES = [
      "holds a network with different var_type (--var_type=fixedlarge); set those flags"),
     ("39:resume-with-another-init-from", "train", ["--flagfile=run/flags.cfg", "--logdir=run", "--resume",
                                                    "--init_from=mismatch.pkl"],
-     "--resume continues the run in run, which started from scratch; --init_from mismatch.pkl would start another"),
+     "--resume continues the run in run, which started from scratch, and --init_from mismatch.pkl would start "
+     "another"),
     ("39:resume-of-a-corrupt-checkpoint-only", "train", ["--flagfile=corrupt_run/flags.cfg", "--logdir=corrupt_run",
                                                          "--resume"],
      "none of the 1 checkpoints in corrupt_run/checkpoints loads (the newest: cannot read checkpoint "
@@ -395,7 +399,7 @@ CASES = [
     ("17:config-does-not-fit-weights", "sample", [*SAMPLE, "--ckpt=mismatch.pkl"],
      "mismatch.pkl: its weights do not fit the network of its config"),
     ("17:invalid-stored-config", "sample", [*SAMPLE, "--ckpt=bad_config.pkl"],
-     "bad_config.pkl holds an unusable config: --image_size must be >= 1 and <= 4096, got -4"),
+     "bad_config.pkl holds an unusable training config: --image_size must be >= 1 and <= 4096, got -4"),
     ("nan-stored-config", "sample", [*SAMPLE, "--ckpt=nan_config.pkl"], "--lr must be a finite number, got nan"),
     ("17:crafted-checkpoint", "sample", [*SAMPLE, "--ckpt=evil.pkl"], "refusing to load builtins.exec"),
     ("weights-of-text", "sample", [*SAMPLE, "--ckpt=text_weights.pkl"], "is str, the network's float32"),
@@ -548,7 +552,7 @@ CASES = [
      "data.npz has 16 images, fewer than --num_images=20"),
     ("respacing-over-T", "nll", ["--ckpt=run", "--respacing=50", "data.npz"], "cannot keep 50"),
     ("class-conditional", "nll", ["--ckpt=conditional", "data.npz"],
-     "conditional is class-conditional (--num_classes 3); the bound needs each image's class"),
+     "conditional is class-conditional (trained with --num_classes 3); the bound needs each image's class"),
     ("crafted-checkpoint", "nll", ["--ckpt=evil.pkl", "data.npz"], "refusing to load builtins.exec"),
     ("batch-zero", "nll", ["--ckpt=run", "--batch_size=0", "data.npz"],
      "--batch_size must be >= 1 and <= 1048576, got 0"),
@@ -574,9 +578,10 @@ CASES = [
     ("iddpm-named-pesser", "convert", [*IDDPM, "--format=pesser"],
      "unet_small.pt is in the improved_diffusion format, not pesser"),
     ("39:a-megdiffusion-checkpoint", "convert", ["run/checkpoints/ckpt_0000002.pkl", "out.pkl"],
-     "ckpt_0000002.pkl is a megdiffusion checkpoint: it needs no conversion; give it as it is to --ckpt"),
+     "ckpt_0000002.pkl is a megdiffusion checkpoint: it needs no conversion; give it as it is to "
+     "megdiffusion.scripts.sample, fid or nll (--ckpt)"),
     ("39:a-megdiffusion-logdir", "convert", ["run", "out.pkl"],
-     "run holds megdiffusion checkpoints, which need no conversion; give it as it is to --ckpt"),
+     "run holds megdiffusion checkpoints, which need no conversion; give it as it is to megdiffusion"),
     ("39:a-weights-only-checkpoint", "convert", ["mismatch.pkl", "out.pkl"], "is a megdiffusion checkpoint"),
     ("39:safetensors-header-too-long", "convert", ["huge_header.safetensors", "out.pkl"],
      "huge_header.safetensors: its safetensors header length, 4611686018427387904, is more than the file's"),
@@ -606,13 +611,62 @@ CASES = [
 
 
 def tree(root):
-    """Every file, directory and symbolic link under ``root``: relative path -> content hash (None for a directory,
-    the target for a link)."""
+    """Every file, directory and symbolic link under ``root`` (``root`` too): relative path -> (size, mtime, content
+    hash; for a directory its mtime, which a file made and removed in it changes; for a link its target)."""
     found = {}
-    for path in sorted(Path(root).rglob("*")):
-        found[str(path.relative_to(root))] = (os.readlink(path) if path.is_symlink() else None if path.is_dir()
-                                              else hashlib.sha256(path.read_bytes()).hexdigest())
+    for path in [Path(root), *sorted(Path(root).rglob("*"))]:
+        status = path.lstat()
+        found[str(path.relative_to(root))] = (
+            os.readlink(path) if path.is_symlink() else ("dir", status.st_mtime_ns) if path.is_dir() else
+            (status.st_size, status.st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest()))
     return found
+
+
+@pytest.fixture(scope="session")
+def command_flags():
+    """Each command's flags and their defaults (as text), read from the command's own module."""
+    code = ("import json, sys, importlib; from absl import flags; importlib.import_module(f'megdiffusion.scripts.{s}')"
+            "; print(json.dumps({n: str(flags.FLAGS[n].default) for n in flags.FLAGS}))")
+    found = {}
+    for script in sorted({case[1] for case in CASES} | {"train", "prepare"}):
+        result = subprocess.run([sys.executable, "-c", f"s = {script!r}; {code}"], capture_output=True, text=True,
+                                check=True, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+        found[script] = json.loads(result.stdout.splitlines()[-1])
+    return found
+
+
+FLAG_IN_MESSAGE = re.compile(r"(?<![\w-])--([a-z][a-z0-9_]*)(?:[ =]([^\s,;:)]+))?")
+
+
+# The words after which a message speaks of another command's flags: how a model was trained, a file prepared.
+OTHER_COMMAND = re.compile(r"\b(?:megdiffusion\.scripts\.(\w+)|(train)(?:ed|ing)?|(prepare)d?)\b")
+
+
+def check_message(line, script, args, command_flags, workdir):
+    """An error line names only flags of ``script``, of the flagfiles it was given (``--flagfile``, the demo's
+    ``--config``), or of the command it speaks of (after "megdiffusion.scripts.NAME", "trained", "prepare"...), and
+    what it advises after its first "; " is not what was given (a flag's value given, or its default when not
+    given)."""
+    advice_from = line.find("; ")
+    given_files = [arg.split("=", 1)[1] for arg in args if arg.startswith(("--flagfile=", "--config="))]
+    in_files = {arg.lstrip("-").split("=", 1)[0] for path in given_files if (workdir / path).is_file()
+                for arg in (workdir / path).read_text(errors="replace").split()}
+    for match in FLAG_IN_MESSAGE.finditer(line):
+        spoken = [next(g for g in groups if g) for groups in OTHER_COMMAND.findall(line[:match.start()])]
+        command = spoken[-1] if spoken else script
+        own = {**command_flags[script], **command_flags[command]}
+        name, value = match.group(1), match.group(2)
+        if name not in own and name.startswith("no") and name[2:] in own:
+            name = name[2:]
+        assert name in own or name in in_files or name == "flagfile", \
+            f"{line!r} names --{name}, which {command} does not have"
+        if name not in command_flags[script]:
+            continue
+        if spoken or value is None or advice_from < 0 or match.start() < advice_from:
+            continue
+        given = [arg.split("=", 1)[1] for arg in args if arg.startswith(f"--{name}=")]
+        current = given[-1] if given else command_flags[script][name]
+        assert value != current, f"{line!r} advises --{name} {value}, which is what the command had"
 
 
 def shown_lines(stderr):
@@ -622,7 +676,8 @@ def shown_lines(stderr):
 
 
 @pytest.mark.parametrize("case, script, args, message", CASES, ids=[f"{c[1]}:{c[0]}" for c in CASES])
-def test_bad_input_is_one_error_line_exit_2_and_changes_no_file(shared, tmp_path, case, script, args, message):
+def test_bad_input_is_one_error_line_exit_2_and_changes_no_file(shared, command_flags, tmp_path, case, script, args,
+                                                                 message):
     if "gpus" in case and cuda_driver_loadable():
         pytest.skip("a machine with a CUDA driver may have 2 GPUs")
     workdir = tmp_path / "case"
@@ -640,4 +695,7 @@ def test_bad_input_is_one_error_line_exit_2_and_changes_no_file(shared, tmp_path
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
     assert "Traceback" not in result.stderr + result.stdout and "ERROR::" not in lines[0]
-    assert tree(workdir) == before and tree(shared) == shared_before
+    for old, new in ((before, tree(workdir)), (shared_before, tree(shared))):
+        changed = sorted(name for name in old.keys() | new.keys() if old.get(name) != new.get(name))
+        assert not changed, f"changed, made or removed: {changed}"
+    check_message(lines[0], script, args, command_flags, workdir)

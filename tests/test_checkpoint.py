@@ -192,7 +192,7 @@ def test_stored_configs_and_weights_that_do_not_fit_are_one_line_errors(tiny_run
     for config, message in (({**state["config"], "image_size": -4}, "--image_size must be >= 1 and <= 4096, got -4"),
                             ({**state["config"], "lr": float("inf")}, "--lr must be a finite number, got inf"),
                             ([1, 2], "a list where a dict belongs")):
-        with pytest.raises(ckpt.CheckpointError, match=f"^{path} holds an unusable config: {message}"):
+        with pytest.raises(ckpt.CheckpointError, match=f"^{path} holds an unusable training config: {message}"):
             ckpt.config_of({**state, "config": config}, path)
     name = next(iter(state["ema"]))
     for weights, message in (({**state["ema"], name: np.zeros(3, np.float32)}, f"{name} is float32 \\(3,\\)"),

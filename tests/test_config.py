@@ -156,7 +156,8 @@ def test_every_field_is_checked_for_its_type_and_floats_must_be_finite(tiny_conf
 def test_a_flagfile_that_is_missing_or_holds_a_non_finite_number(tmp_path):
     from megdiffusion.scripts.cli import UsageError
 
-    with pytest.raises(UsageError, match="^cannot open flagfile .*nope.cfg: No such file or directory; give an existing flagfile$"):
+    with pytest.raises(UsageError, match="^cannot open flagfile .*nope.cfg: No such file or directory; give an "
+                                         "existing flagfile$"):
         cli.config_from_flagfile(tmp_path / "nope.cfg")
     (tmp_path / "flags.cfg").write_text("--lr=nan\n")
     with pytest.raises(UsageError, match=r"^--lr must be a finite number, got nan \(set in flagfile .*flags.cfg\)$"):

@@ -11,9 +11,8 @@ import numpy as np
 
 from megdiffusion.data.prepared import PreparedDataset, is_prepared, read_record
 from megdiffusion.data.sources import CROP_RULE, IMAGE_EXTENSIONS, ArraySource, DatasetError, FolderSource, \
-    LmdbSource, decode_array, decode_file, image_paths, is_lmdb, subfolder_classes
+    LmdbSource, check_files, decode_array, decode_file, image_paths, is_lmdb, subfolder_classes
 from megdiffusion.errors import one_line
-from megdiffusion.images import ImageError, check_image
 from megdiffusion.fileio import read_npz
 from megdiffusion.torch_archive import load_array_pickle
 
@@ -194,11 +193,7 @@ def _folder(path, image_size):
     if not image_size:
         raise DatasetError("dataset 'folder' needs --image_size (images are centre-cropped and resized to it)")
     folder = ImageFolder(path, image_size)
-    for image in folder.paths:  # an unreadable file is found before the run writes anything, not at its step
-        try:
-            check_image(image)
-        except ImageError as exc:
-            raise DatasetError(str(exc)) from None
+    check_files(folder.paths)
     return folder
 
 

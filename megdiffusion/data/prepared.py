@@ -21,7 +21,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
-from megdiffusion.data.sources import CROP_RULE, DatasetError, decode
+from megdiffusion.data.sources import CROP_RULE, DatasetError, check_files, decode
 from megdiffusion.errors import one_line
 from megdiffusion.fileio import atomic_write, check_writable
 from megdiffusion.processes import start_worker
@@ -196,6 +196,8 @@ def prepare(source, dest, size, workers=None, skip_bad=False, overwrite=False, p
     ``DatasetError`` naming the file, or with ``skip_bad`` left out, counted and listed in the record. ``dest`` is
     checked before any work and written atomically."""
     check_writable(dest, "DEST", directory=False, overwrite=overwrite)
+    if source.kind == "file" and not skip_bad:
+        check_files(source.items(0, len(source)))
     workers = (os.cpu_count() or 1) if workers is None else workers
     channels = source.channels
     digest = hashlib.sha256()

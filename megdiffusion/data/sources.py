@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image
 
 from megdiffusion.errors import MegdiffusionError, one_line
-from megdiffusion.images import ImageError, open_image
+from megdiffusion.images import ImageError, check_image, open_image
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 CROP_RULE = "centre crop to a square, then PIL bicubic resize to {size}x{size}"
@@ -46,6 +46,16 @@ def decode_file(path, size):
     except ImageError as exc:
         raise DatasetError(str(exc)) from None
     return np.asarray(fit_square(image, size) if size else image)
+
+
+def check_files(paths):
+    """``DatasetError`` naming the first of the image files ``paths`` whose header does not read: found before a
+    command writes anything, not when its turn comes (about 35 us a file)."""
+    for path in paths:
+        try:
+            check_image(path)
+        except ImageError as exc:
+            raise DatasetError(str(exc)) from None
 
 
 def decode_encoded(name, data, size):

@@ -60,8 +60,8 @@ def _ours(path):
     """The error for a megdiffusion checkpoint (or a run's logdir) given to convert."""
     what = ("holds megdiffusion checkpoints, which need" if os.path.isdir(path)
             else "is a megdiffusion checkpoint: it needs")
-    return ConvertError(f"{path} {what} no conversion; give it as it is to --ckpt (scripts.sample, scripts.fid, "
-                        "scripts.nll) or --init_from (scripts.train)")
+    return ConvertError(f"{path} {what} no conversion; give it as it is to megdiffusion.scripts.sample, fid or nll "
+                        "(--ckpt), or to megdiffusion.scripts.train (--init_from)")
 
 
 def read_source(path, ema=False):

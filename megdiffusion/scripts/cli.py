@@ -148,7 +148,7 @@ def _flagfile_arguments(path, including):
             text = f.read()
     except UnicodeDecodeError:
         raise UsageError(f"--flagfile {path} is not a text file of flags; give a flagfile such as a run's "
-                         "flags.cfg (a checkpoint is read with --ckpt, --init_from or --resume)") from None
+                         "flags.cfg (a checkpoint is no flagfile)") from None
     except OSError as err:
         raise UsageError(f"cannot open flagfile {path}: {err.strerror or err}; give an existing flagfile") from None
     lines = [line.strip() for line in text.splitlines()]
@@ -284,7 +284,7 @@ def check_flags_matter(flag_values, rules, given=None):
 def reject_arguments(argv):
     """Fail in one line when a script that takes only flags got positional arguments."""
     if len(argv) > 1:
-        fail(f"unexpected arguments {argv[1:]}; flags look like --name=value")
+        fail(f"unexpected arguments {argv[1:]}; flags look like --NAME=VALUE")
 
 
 def config_from_flagfile(path, **overrides):

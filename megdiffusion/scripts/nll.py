@@ -57,8 +57,9 @@ def main(argv):
             raise UsageError("--ckpt is required (a checkpoint file or a run's logdir)")
         model, diffusion, cfg, step = load_model(FLAGS.ckpt, ema=FLAGS.ema)
         if cfg.num_classes:
-            raise UsageError(f"{FLAGS.ckpt} is class-conditional (--num_classes {cfg.num_classes}); the bound needs "
-                             "each image's class, which scripts.nll does not read: use an unconditional model")
+            raise UsageError(f"{FLAGS.ckpt} is class-conditional (trained with --num_classes {cfg.num_classes}); "
+                             "the bound needs each image's class, which scripts.nll does not read: use an "
+                             "unconditional model")
         try:
             chain = diffusion.respaced(FLAGS.steps, FLAGS.respacing)
         except ValueError as err:

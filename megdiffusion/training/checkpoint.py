@@ -148,7 +148,7 @@ def config_of(state, path):
         cfg = TrainConfig.from_dict(state["config"])
         validate(cfg)
     except (ConfigError, TypeError) as err:
-        raise CheckpointError(f"{path} holds an unusable config: {err}") from None
+        raise CheckpointError(f"{path} holds an unusable training config: {err}") from None
     return cfg
 
 

@@ -12,6 +12,7 @@ import json
 import math
 import operator
 import os
+import re
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Optional, Tuple
@@ -321,8 +322,10 @@ def validate(cfg):
         if cfg.sample_every or cfg.fid_every:  # the only users of the sampler settings
             diffusion.check_sampling(cfg.sample_sampler, cfg.sample_steps, spacing=cfg.sample_spacing,
                                      order=cfg.sample_order)
-    except ValueError as err:
-        raise ConfigError(f"--sample_sampler/--sample_steps/--sample_spacing/--sample_order: {err}") from None
+    except ValueError as err:  # its words name the sampling commands' flags, if any; training's are --sample_*
+        named = re.sub(r"--(sampler|steps|spacing|order)\b", r"--sample_\1", str(err))
+        raise ConfigError(named if named != str(err) else
+                          f"--sample_sampler/--sample_steps/--sample_spacing/--sample_order: {err}") from None
 
 
 def build_model(cfg):

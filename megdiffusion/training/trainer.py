@@ -168,7 +168,7 @@ def check_logdir(cfg, images=None):
         started_from = latest[0]["config"].get("init_from")
         if cfg.init_from and not same_path(cfg.init_from, started_from):
             raise ConfigError(f"--resume continues the run in {cfg.logdir}, which started from "
-                              f"{started_from or 'scratch'}; --init_from {cfg.init_from} would start another: drop "
+                              f"{started_from or 'scratch'}, and --init_from {cfg.init_from} would start another; drop "
                               "--init_from to continue the run, or give a new --logdir to start from it")
     elif cfg.init_from:
         ckpt.load_init(cfg)
