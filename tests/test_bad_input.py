@@ -16,7 +16,7 @@ import pytest
 
 from megdiffusion.compat import cuda_driver_loadable
 from megdiffusion.data.prepared import prepare
-from megdiffusion.data.sources import ArraySource
+from megdiffusion.data.sources import ArraySource, FolderSource
 from megdiffusion.images import save_png
 from megdiffusion.training.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from megdiffusion.training.config import CPU_RECIPE
@@ -112,8 +112,26 @@ def shared(tmp_path_factory, tiny_config, tiny_images):
     (root / "two_gpus.cfg").write_text(Path(CPU_RECIPE).read_text() + "--num_gpus=2\n")
     (root / "self.cfg").write_text("--batch_size=8\n--flagfile=self.cfg\n")
     (root / "a.cfg").write_text("--flagfile=b.cfg\n")
+    (root / "bad_batch.cfg").write_text("# a comment\n\n--batch_size=0\n")
     (root / "b.cfg").write_text("--flagfile=a.cfg\n")
     os.symlink("data.npz", root / "data_link.npz")
+
+    # round 4: labels int32 cannot hold, classes recorded, CIFAR-10 batches of other rows, an LMDB, another size
+    np.savez(root / "labels_huge.npz", arr_0=tiny_images(16), arr_1=np.arange(16, dtype=np.int64) * 2 ** 40)
+    np.savez(root / "labels_uint64.npz", arr_0=tiny_images(16), arr_1=np.full(16, 2 ** 63, np.uint64))
+    for c, name in enumerate("abc"):
+        (root / "classes" / name).mkdir(parents=True)
+        for i in range(3):
+            save_png(root / "classes" / name / f"{i}.png", tiny_images(9)[3 * c + i])
+    prepare(FolderSource(root / "classes", labels=True), root / "classes3.data", 8, workers=0)
+    for name, rows, label in (("cifar_short", 3000, 0), ("cifar_label_10", 3072, 10)):
+        (root / name).mkdir()
+        for i in range(1, 6):
+            with open(root / name / f"data_batch_{i}", "wb") as f:
+                pickle.dump({b"data": np.zeros((10, rows), np.uint8), b"labels": [label] * 10}, f, protocol=2)
+    (root / "lsun").mkdir()
+    (root / "lsun" / "data.mdb").write_bytes(b"")
+    prepare(ArraySource(tiny_images(16), None, "tiny"), root / "p16.data", 16, workers=0)
 
     # statistics without features (compressed: an identity sigma of 2048 x 2048 is 32 MB)
     np.savez_compressed(root / "stats_plain.npz", mu=np.zeros(2048), sigma=np.eye(2048))
@@ -133,6 +151,62 @@ DEMO = ["--output=out", "--minutes=0.01", "--num_images=4", "--num_reference=4",
 # (id, script, arguments, what the error line says). Later flags override earlier ones; {shared} is the shared
 # directory (its samples' manifests name the shared run). Ids marked "17:" are the cases issue 17 reported broken.
 CASES = [
+    # round 4 (issue 58's causes): labels int32 cannot hold, classes a file records, CIFAR-10 batches checked
+    ("58:prepare-labels-beyond-int32", "prepare", ["labels_huge.npz", "out.data"],
+     "got 16492674416640, which does not fit 32 bits: number the classes from 0"),
+    ("58:train-labels-beyond-int32", "train", [*TRAIN, "--data_path=labels_huge.npz", "--num_classes=4"],
+     "which does not fit 32 bits"),
+    ("58:train-labels-uint64", "train", [*TRAIN, "--data_path=labels_uint64.npz", "--num_classes=4"],
+     "got 9223372036854775808, which does not fit 32 bits"),
+    ("58:prepared-three-classes-as-four", "train", [*TRAIN, "--data_path=classes3.data", "--num_classes=4"],
+     "classes3.data holds 3 classes (a, b, c), not --num_classes 4; set --num_classes 3"),
+    ("58:folder-three-classes-as-two", "train", [*TRAIN, "--dataset=folder", "--data_path=classes", "--image_size=8",
+                                                 "--num_classes=2"], "class label 2 is outside 0..1"),
+    ("58:folder-three-classes-as-five", "train", [*TRAIN, "--dataset=folder", "--data_path=classes", "--image_size=8",
+                                                  "--num_classes=5"], "classes holds 3 classes (a, b, c)"),
+    ("58:cifar-rows-of-3000-bytes", "prepare", ["cifar_short", "out.data"],
+     "cifar_short/data_batch_1 holds data uint8 (10, 3000), not rows of 3072 bytes"),
+    ("58:cifar-rows-of-3000-bytes-in-training", "train", [*TRAIN, "--dataset=cifar10", "--data_path=cifar_short"],
+     "not rows of 3072 bytes"),
+    ("58:cifar-label-10", "prepare", ["cifar_label_10", "out.data"], "not one class 0-9 an image"),
+    ("58:cifar-label-10-in-training", "train", [*TRAIN, "--dataset=cifar10", "--data_path=cifar_label_10",
+                                                "--num_classes=10"], "not one class 0-9 an image"),
+    # a resume past its end; messages that name the cause and a fix that can work
+    ("58:resume-past-total-steps", "train", ["--flagfile=run/flags.cfg", "--logdir=run", "--resume",
+                                             "--total_steps=1"],
+     "which is at step 2, past --total_steps 1; give --total_steps above 2 to train on"),
+    ("58:resume-past-total-steps-without-flagfile", "train", ["--logdir=run", "--resume", "--total_steps=1"],
+     "past --total_steps 1"),
+    ("58:sample-with-a-training-flagfile", "sample", [*SAMPLE, "--flagfile=run/flags.cfg"],
+     "set in flagfile run/flags.cfg, is a training flag, not one of this command (which reads a run with --ckpt "
+     "RUN): run/flags.cfg is a flagfile of megdiffusion.scripts.train"),
+    ("58:fid-with-a-training-flagfile", "fid", ["--flagfile=run/flags.cfg", "images", "images"],
+     "is a training flag, not one of this command"),
+    ("58:nll-with-a-training-flagfile", "nll", ["--flagfile=run/flags.cfg", "data.npz"], "is a training flag"),
+    ("58:flagfile-flag-out-of-bounds", "sample", [*(arg for arg in SAMPLE if not arg.startswith("--batch_size")),
+                                                  "--flagfile=bad_batch.cfg"],
+     "--batch_size must be >= 1 and <= 1048576, got 0 (set in flagfile bad_batch.cfg)"),
+    ("58:flagfile-a-directory", "sample", ["--flagfile=images"], "cannot open flagfile images: Is a directory"),
+    ("58:folder-dataset-of-an-lmdb", "train", [*TRAIN, "--dataset=folder", "--data_path=lsun", "--image_size=8"],
+     "--data_path lsun is an LMDB database (LSUN's), not a folder of images: train with --data_path DEST after "
+     "python -m megdiffusion.scripts.prepare lsun DEST --image_size N"),
+    ("58:folder-dataset-of-cifar", "train", [*TRAIN, "--dataset=folder", "--data_path=cifar_short", "--image_size=8"],
+     "holds cifar10's files, not a folder of images: use --dataset cifar10"),
+    ("58:resume-on-a-file-of-another-size", "train", ["--flagfile=run/flags.cfg", "--logdir=run", "--resume",
+                                                      "--data_path=p16.data"],
+     "p16.data holds 16x16 images, but the run continued trains at 8x8: prepare the source again with --image_size 8"),
+    ("58:world-size-without-gpus", "train", [*TRAIN, "--logdir=new", "--world_size=2"],
+     "--world_size 2 needs CUDA GPUs, but MegEngine sees none on this machine; use --world_size 1"),
+    # checks before the first write
+    ("58:streamed-folder-unreadable-image", "train", [*TRAIN, "--dataset=folder", "--data_path=images_broken",
+                                                      "--image_size=8", "--logdir=new"],
+     "cannot read image images_broken/a.png"),
+    ("58:save-stats-with-kid", "fid", ["--save_stats", "--metrics=kid", "images", "s.npz"],
+     "--metrics does nothing with --save_stats, which writes statistics and scores nothing; drop --metrics"),
+    ("58:class-label-into-existing-samples", "sample", [*SAMPLE, "--output=order3_out", "--class_label=1"],
+     "class 1 asked of an unconditional model"),
+    ("58:class-label-into-new-samples", "sample", [*SAMPLE, "--output=new/deeper", "--class_label=1"],
+     "class 1 asked of an unconditional model"),
     # a solver's steps bounded by the model's timesteps, in every command that samples
     ("50:euler-leading-over-T", "sample", [*SAMPLE, "--sampler=euler", "--spacing=leading", "--steps=41"],
      "--steps 41 is more than --spacing leading can place on this model's 40 timesteps without repeating a noise "

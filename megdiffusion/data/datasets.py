@@ -184,9 +184,8 @@ def _folder(path, image_size):
     if path is None or not Path(path).is_dir():
         raise DatasetError(f"--data_path must be a directory of images for dataset 'folder', got {path!r}")
     if is_lmdb(path):
-        raise DatasetError(f"--data_path {path} is an LMDB database (LSUN's), not a folder of images: prepare it "
-                           f"(python -m megdiffusion.scripts.prepare {path} DEST --image_size N), then train with "
-                           "--data_path DEST")
+        raise DatasetError(f"--data_path {path} is an LMDB database (LSUN's), not a folder of images: train with "
+                           f"--data_path DEST after python -m megdiffusion.scripts.prepare {path} DEST --image_size N")
     if _array_dataset(Path(path)):
         raise DatasetError(f"--data_path {path} holds {_array_dataset(Path(path))}'s files, not a folder of images: "
                            f"use --dataset {_array_dataset(Path(path))}")

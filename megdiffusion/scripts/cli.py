@@ -250,9 +250,9 @@ def _flag_error(err, arguments, flag_values):
         training = flags.FlagValues()
         define_flags(training)
         if named in training:
-            use = "; this command reads a run with --ckpt RUN" if "ckpt" in flag_values else ""
-            return (f"--{named}, set in flagfile {source}, is a training flag, not one of this command: {source} "
-                    f"is a flagfile of megdiffusion.scripts.train{use}")
+            use = " (which reads a run with --ckpt RUN)" if "ckpt" in flag_values else ""
+            return (f"--{named}, set in flagfile {source}, is a training flag, not one of this command{use}: "
+                    f"{source} is a flagfile of megdiffusion.scripts.train")
         return f"--{named}, set in flagfile {source}, is not a flag of this command; remove that line"
     return f"{text} (set in flagfile {source})"
 
