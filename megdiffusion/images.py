@@ -3,6 +3,7 @@
 Convention: NCHW float32 in [-1, 1] inside the models, NHWC uint8 at the edges (files, datasets, FID).
 Every image file is read through :func:`open_image`, which gives 8 bits per channel.
 """
+import contextlib
 import warnings
 
 import numpy as np
@@ -71,11 +72,20 @@ def check_image(path):
     _read(_header, path, None, path)
 
 
+@contextlib.contextmanager
+def pillow_quiet():
+    """Keep Pillow's warnings about an image (its size against the decompression-bomb limit, odd EXIF data, a
+    palette's transparency) off the terminal for the block: every image megdiffusion reads, crops or resizes
+    either works or fails with a message of its own."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
 def _read(read, path, mode, name):
     """``read(path, mode, name)`` with Pillow's warnings silenced and its errors as one ``ImageError``."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with pillow_quiet():
             return read(path, mode, name)
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
         raise ImageError(f"cannot read image {name}: {one_line(exc)}; remove or replace it") from None

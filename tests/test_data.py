@@ -118,10 +118,16 @@ def test_folder_crops_resizes_and_reports_bad_files(tmp_path):
     assert images[0].min() == 77  # b.png (gray -> RGB) sorts first
     assert images[1].min() >= 250  # a.png: only the white centre survives the crop
     (tmp_path / "broken.jpg").write_bytes(b"not an image")
+    with pytest.raises(DatasetError, match="cannot read image .*broken.jpg"):  # its header, before any step
+        load_dataset("folder", str(tmp_path), image_size=10)
+    os.remove(tmp_path / "broken.jpg")
+    save_png(tmp_path / "broken.png", wide)
+    cut = (tmp_path / "broken.png").read_bytes()[:60]  # the header reads, the pixels do not
+    (tmp_path / "broken.png").write_bytes(cut)
     images = load_dataset("folder", str(tmp_path), image_size=10)  # streamed: read when a batch needs it
     assert images.shape == (3, 10, 10, 3)
-    np.testing.assert_array_equal(images[np.array([2, 0])][0], images[2])  # broken.jpg is images[1]
-    with pytest.raises(DatasetError, match="broken.jpg"):
+    np.testing.assert_array_equal(images[np.array([2, 0])][0], images[2])  # broken.png is images[1]
+    with pytest.raises(DatasetError, match="broken.png"):
         images[np.arange(3)]
 
 
@@ -189,3 +195,25 @@ def test_cifar10_batches_of_python_2_load_and_crafted_ones_are_refused(tmp_path)
         pickle.dump({b"data": data, b"run": os.system}, f, protocol=2)
     with pytest.raises(DatasetError, match="data_batch_3: refusing to load posix.system"):
         load_dataset("cifar10", str(tmp_path))
+
+
+def test_a_folder_walk_lists_each_real_image_once_whatever_its_links(tmp_path):
+    """Links followed without loops: to the folder itself, to its parent, twice to one directory, to a file; a
+    dangling link, a FIFO and a directory named like images are left out."""
+    from megdiffusion.data.sources import image_paths
+
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    for path in (root / "a.png", root / "sub" / "b.png", tmp_path / "outside" / "c.png", tmp_path / "d.png"):
+        save_png(path, np.zeros((4, 4, 3), np.uint8))
+    os.symlink("..", root / "sub" / "loop")
+    os.symlink("..", root / "up")
+    os.symlink("../outside", root / "x1")
+    os.symlink("../outside", root / "x2")
+    os.symlink("a.png", root / "z_same.png")
+    os.symlink("nowhere.png", root / "dangling.png")
+    os.mkfifo(root / "zz.png")
+    (root / "dir.png").mkdir()
+    assert image_paths(root) == [str(root / "a.png"), str(root / "sub" / "b.png"), str(root / "x1" / "c.png")]
+    assert len(ImageFolder(str(root))) == 3

@@ -60,3 +60,22 @@ def test_a_failed_atomic_write_names_its_target_and_leaves_nothing(tmp_path):
             raise OSError(28, "No space left on device")
     assert info.value.filename == str(tmp_path / "out.bin") and info.value.strerror.endswith("No space left on device")
     assert [p.name for p in tmp_path.iterdir()] == ["afile"]
+
+
+def test_leftovers_of_killed_writes_are_removed_and_writes_in_progress_kept(tmp_path):
+    """A temporary file or directory that no process holds locked is a killed command's: the next atomic write in
+    that directory removes it; one still being written (locked) stays, and so do other files."""
+    import fcntl
+
+    from megdiffusion import fileio
+
+    (tmp_path / f"{fileio.TEMPORARY}dead").write_bytes(b"x" * 100)
+    (tmp_path / f"{fileio.TEMPORARY}dead_dir").mkdir()
+    (tmp_path / f"{fileio.TEMPORARY}dead_dir" / "a").write_text("a")
+    (tmp_path / f"{fileio.TEMPORARY}alive").write_bytes(b"y")
+    (tmp_path / ".tmp-not-ours").write_bytes(b"z")
+    with open(tmp_path / f"{fileio.TEMPORARY}alive", "rb") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        fileio.write_text(tmp_path / "out.txt", "done")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{fileio.TEMPORARY}alive", ".tmp-not-ours", "out.txt"])

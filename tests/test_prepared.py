@@ -105,7 +105,8 @@ def test_a_truncated_or_foreign_file_is_refused(tmp_path):
 
 
 def test_a_killed_prepare_leaves_nothing_training_accepts(tmp_path):
-    """SIGKILL part-way: no DEST; the temporary file beside it is refused as a dataset. SIGTERM: nothing left."""
+    """SIGKILL part-way: no DEST; the temporary file beside it is refused as a dataset, and the next prepare there
+    removes it. SIGTERM: nothing left."""
     images = np.random.default_rng(0).integers(0, 256, (4000, 32, 32, 3), dtype=np.uint8)
     np.savez(tmp_path / "big.npz", arr_0=images)
     for sig in (signal.SIGKILL, signal.SIGTERM):
@@ -129,6 +130,10 @@ def test_a_killed_prepare_leaves_nothing_training_accepts(tmp_path):
         for path in left:
             with pytest.raises(DatasetError):
                 load_dataset("prepared", str(path))
+        if sig == signal.SIGKILL:
+            assert len(left) == 1 and left[0].name.startswith(".megdiffusion-partial-")
+            prepare(ArraySource(images[:8], None, "noise"), out / "other.data", 8, workers=0)
+            assert sorted(p.name for p in out.iterdir()) == ["other.data"]
 
 
 def test_a_write_that_fails_part_way_leaves_nothing(tmp_path):
@@ -228,12 +233,51 @@ def test_memory_does_not_grow_with_a_prepared_dataset(tmp_path):
 
 
 def test_a_streamed_image_that_cannot_be_read_is_one_error(tmp_path, tiny_config):
+    """A file that is no image is refused before the run writes anything; one whose pixels are cut short (its
+    header reads) when a batch needs it."""
     folder = make_folder(tmp_path / "folder")
+    settings = dict(dataset="folder", data_path=str(folder), image_size=8, logdir=str(tmp_path / "run"),
+                    data_workers=1, total_steps=4)
+    png = (folder / "class_2" / "01.png").read_bytes()
     (folder / "class_2" / "01.png").write_bytes(b"broken")
-    cfg, images = resolve(tiny_config(dataset="folder", data_path=str(folder), image_size=8,
-                                      logdir=str(tmp_path / "run"), data_workers=1, total_steps=4))
+    with pytest.raises(DatasetError, match="cannot read image .*class_2/01.png"):
+        resolve(tiny_config(**settings))
+    assert not (tmp_path / "run").exists()
+    (folder / "class_2" / "01.png").write_bytes(png[:60])
+    cfg, images = resolve(tiny_config(**settings))
     with pytest.raises(DatasetError, match="cannot read image .*class_2/01.png"):
         train(cfg, images, progress=False)
+
+
+def test_a_prepared_file_truncated_or_replaced_under_a_reader_is_one_error(tmp_path):
+    """Read by pread, not a memory map: a truncated file is a DatasetError, not SIGBUS; a worker's copy refuses a
+    file replaced under the same name."""
+    import pickle
+
+    images = np.random.default_rng(0).integers(0, 256, (20, 8, 8, 3), dtype=np.uint8)
+    prepare(ArraySource(images, None, "noise"), tmp_path / "set.data", 8, workers=0)
+    dataset = PreparedDataset(tmp_path / "set.data")
+    np.testing.assert_array_equal(dataset.images[[3, 0, 19]], images[[3, 0, 19]])
+    np.testing.assert_array_equal(dataset.images[5:8], images[5:8])
+    np.testing.assert_array_equal(dataset.images[-1], images[-1])
+    copy = pickle.dumps(dataset.images)
+    os.truncate(tmp_path / "set.data", 4096 + 10 * 8 * 8 * 3)
+    np.testing.assert_array_equal(dataset.images[9], images[9])
+    with pytest.raises(DatasetError, match=r"set.data was truncated while the run used it \(6,016 bytes now, its "
+                                           r"images end at byte 7,936\); prepare it again"):
+        dataset.images[[2, 12]]
+    prepare(ArraySource(images, None, "noise"), tmp_path / "set.data", 8, workers=0, overwrite=True)
+    with pytest.raises(DatasetError, match="set.data was replaced by another file while the run used it"):
+        pickle.loads(copy)
+
+
+def test_a_valid_huge_image_prepares_without_pillow_warnings(tmp_path):
+    """9,500 x 9,500 pixels is past Pillow's decompression-bomb warning (89 M pixels), not its error (179 M)."""
+    (tmp_path / "big").mkdir()
+    Image.new("L", (9500, 9500), 128).save(tmp_path / "big" / "huge.png")
+    result = run_prepare(tmp_path / "big", tmp_path / "out.data", "--image_size=8", "--workers=0", "--noprogress")
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert (load_dataset("prepared", str(tmp_path / "out.data"))[:] == 128).all()
 
 
 def test_resuming_on_other_data_is_refused(tmp_path, tiny_config):

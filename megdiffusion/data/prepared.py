@@ -72,6 +72,7 @@ class PreparedImages:
         self.identity = (status.st_dev, status.st_ino)
         if identity is not None and tuple(identity) != self.identity:
             os.close(self._fd)
+            self._fd = None
             raise DatasetError(f"{path} was replaced by another file while the run used it; continue with --resume "
                                "once it holds the prepared data again")
 

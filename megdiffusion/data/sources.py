@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image
 
 from megdiffusion.errors import MegdiffusionError, one_line
-from megdiffusion.images import ImageError, check_image, open_image
+from megdiffusion.images import ImageError, check_image, open_image, pillow_quiet
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 CROP_RULE = "centre crop to a square, then PIL bicubic resize to {size}x{size}"
@@ -34,8 +34,9 @@ def fit_square(image, size):
     w, h = image.size
     side = min(w, h)
     left, top = (w - side) // 2, (h - side) // 2
-    image = image.crop((left, top, left + side, top + side))
-    return image if side == size else image.resize((size, size), Image.BICUBIC)
+    with pillow_quiet():
+        image = image.crop((left, top, left + side, top + side))
+        return image if side == size else image.resize((size, size), Image.BICUBIC)
 
 
 def decode_file(path, size):
