@@ -7,8 +7,10 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,7 @@ import pytest
 from megdiffusion.compat import cuda_driver_loadable
 from megdiffusion.data.prepared import prepare
 from megdiffusion.data.sources import ArraySource, FolderSource
-from megdiffusion.images import save_png
+from megdiffusion.images import read_image, save_png
 from megdiffusion.training.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from megdiffusion.training.config import CPU_RECIPE
 
@@ -773,3 +775,26 @@ def test_bad_input_is_one_error_line_exit_2_and_changes_no_file(shared, command_
         changed = sorted(name for name in old.keys() | new.keys() if old.get(name) != new.get(name))
         assert not changed, f"changed, made or removed: {changed}"
     check_message(lines[0], script, args, command_flags, workdir)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_sample_ends_in_one_line_with_workers_silent(shared, tmp_path, signum):
+    """Ctrl-C (to the whole process group, as a terminal sends it) or SIGTERM part-way: exit 130 or 143, one
+    ``error:`` line and nothing from the worker processes, every image written whole and no temporary file left."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = tmp_path / "out"
+    process = subprocess.Popen([sys.executable, "-m", "megdiffusion.scripts.sample", f"--ckpt={shared / 'run'}",
+                                f"--output={out}", "--num_images=100000", "--batch_size=16", "--sampler=ddim",
+                                "--steps=2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               start_new_session=True)
+    deadline = time.monotonic() + 120
+    while len(list(out.glob("*.png"))) < 32 and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.05)
+    os.killpg(process.pid, signum)
+    stdout, stderr = process.communicate(timeout=120)
+    lines = shown_lines(stderr.decode())
+    assert process.returncode == 128 + signum, stderr.decode()
+    assert lines == [f"error: stopped by {signum.name}; every file written so far is complete"], stderr.decode()
+    assert not [path for path in out.iterdir() if path.name.startswith(".")]
+    for path in out.glob("*.png"):
+        assert read_image(path).shape == (8, 8, 3)

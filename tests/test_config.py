@@ -162,3 +162,53 @@ def test_a_flagfile_that_is_missing_or_holds_a_non_finite_number(tmp_path):
     (tmp_path / "flags.cfg").write_text("--lr=nan\n")
     with pytest.raises(UsageError, match=r"^--lr must be a finite number, got nan \(set in flagfile .*flags.cfg\)$"):
         cli.config_from_flagfile(tmp_path / "flags.cfg")
+
+
+def _training_flags(argv):
+    flag_values = flags.FlagValues()
+    config.define_flags(flag_values)
+    cli.parse_into(flag_values, ["train", *argv])
+    return flag_values
+
+
+def test_the_command_line_wins_over_a_flagfile_wherever_it_stands(tmp_path):
+    """absl lets the later of a flag and a flagfile win; here the command line does, before or after
+    --flagfile, and a flagfile's own lines win over the flagfiles it includes."""
+    (tmp_path / "inner.cfg").write_text("--batch_size=3\n--total_steps=5\n")
+    (tmp_path / "recipe.cfg").write_text(f"// a comment\n--logdir=recipe_run\n\n--flagfile={tmp_path / 'inner.cfg'}\n"
+                                         "  --batch_size=2  \n")
+    for argv in (["--logdir=mine", f"--flagfile={tmp_path / 'recipe.cfg'}"],
+                 [f"--flagfile={tmp_path / 'recipe.cfg'}", "--logdir=mine"],
+                 ["--logdir", "mine", "--flagfile", str(tmp_path / "recipe.cfg")]):
+        parsed = _training_flags(argv)
+        assert (parsed.logdir, parsed.batch_size, parsed.total_steps) == ("mine", 2, 5), argv
+        assert parsed["batch_size"].default == 2  # what --help shows: the recipe's value
+
+
+def test_a_flagfile_from_a_pipe_is_read_once():
+    """``--flagfile=<(printf ...)``: a pipe gives its lines once; reading it twice lost every flag."""
+    import os
+
+    read, write = os.pipe()
+    os.write(write, b"--batch_size=4\n--total_steps=7\n")
+    os.close(write)
+    try:
+        parsed = _training_flags([f"--flagfile=/dev/fd/{read}"])
+    finally:
+        os.close(read)
+    assert (parsed.batch_size, parsed.total_steps) == (4, 7)
+
+
+def test_help_with_a_flagfile_shows_the_flagfiles_values(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "recipe.cfg").write_text("--batch_size=77\n--dataset=cifar10\n")
+    result = subprocess.run([sys.executable, "-m", "megdiffusion.scripts.train", f"--flagfile={tmp_path}/recipe.cfg",
+                             "--help"], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    help_text = " ".join(result.stdout.split())
+    assert "--batch_size: Global batch size" in help_text and "(default: '77')" in help_text
+    assert "(default: 'cifar10')" in help_text
