@@ -8,6 +8,7 @@ import contextlib
 import fcntl
 import os
 import shutil
+import stat
 import tempfile
 import zipfile
 import zlib
@@ -22,6 +23,18 @@ TEMPORARY = ".megdiffusion-partial-"
 
 class OutputError(MegdiffusionError):
     """An output path that cannot be written, or is in use or holds other files; the message is one line."""
+
+
+class InputError(MegdiffusionError):
+    """An input path that is neither a file nor a directory (a FIFO, a device, a socket); the message is one line."""
+
+
+def check_not_special(path):
+    """``InputError`` when ``path`` exists but is neither a regular file nor a directory: opening a FIFO for reading
+    waits for a writer forever, a device never ends."""
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        kind = "a FIFO (named pipe)" if stat.S_ISFIFO(os.stat(path).st_mode) else "not a regular file"
+        raise InputError(f"{path} is {kind}, not a file to read; give a regular file")
 
 
 def _locked(path):
@@ -152,6 +165,7 @@ def save_npz(path, **arrays):
 def read_npz(path):
     """Every array of the npz file at ``path`` as a dict (pickled objects refused); ``ValueError`` with a
     one-line reason for a file that is not a readable npz archive."""
+    check_not_special(path)
     try:
         data = np.load(path, allow_pickle=False)
         if not isinstance(data, np.lib.npyio.NpzFile):

@@ -21,7 +21,7 @@ import zipfile
 import numpy as np
 
 from megdiffusion.errors import MegdiffusionError, one_line
-from megdiffusion.fileio import save_npz
+from megdiffusion.fileio import check_not_special, save_npz
 from megdiffusion import environment
 
 
@@ -197,6 +197,7 @@ def _load_legacy(f, path):
 
 def is_torch_file(path):
     """Whether ``path`` is a ``torch.save`` file: a zip archive or a legacy file (first pickle: the magic number)."""
+    check_not_special(path)
     if zipfile.is_zipfile(path):
         return True
     with open(path, "rb") as f:
@@ -213,6 +214,7 @@ def load_torch_file(path):
     when the pickle asks for any class other than the tensor-rebuild function, storages, ``OrderedDict`` and inert
     TorchScript module records.
     """
+    check_not_special(path)
     try:
         if zipfile.is_zipfile(path):
             with zipfile.ZipFile(path) as archive:

@@ -150,6 +150,7 @@ RESPACED = [arg for arg in SAMPLE if arg != "--steps=2"]
 IDDPM = ["unet_small.pt", "out.pkl"]
 DEMO = ["--output=out", "--minutes=0.01", "--num_images=4", "--num_reference=4", "--steps=2"]
 
+FIFOS = ("fifo.npz", "fifo.pt", "fifo.pkl", "fifo.data")  # named pipes in each case's directory, named like inputs
 # (id, script, arguments, what the error line says). Later flags override earlier ones; {shared} is the shared
 # directory (its samples' manifests name the shared run). Ids marked "17:" are the cases issue 17 reported broken.
 CASES = [
@@ -199,6 +200,17 @@ CASES = [
      "p16.data holds 16x16 images, but the run continued trains at 8x8: prepare the source again with --image_size 8"),
     ("58:world-size-without-gpus", "train", [*TRAIN, "--logdir=new", "--world_size=2"],
      "--world_size 2 needs CUDA GPUs, but MegEngine sees none on this machine; use --world_size 1"),
+    # inputs that are named pipes: refused, not waited on
+    ("58:fid-statistics-a-fifo", "fid", ["images", "fifo.npz"],
+     "fifo.npz is a FIFO (named pipe), not a file to read; give a regular file"),
+    ("58:train-data-a-fifo", "train", [*TRAIN, "--data_path=fifo.npz"], "--data_path must be an .npz file"),
+    ("58:train-prepared-a-fifo", "train", [*TRAIN, "--dataset=prepared", "--data_path=fifo.data"],
+     "--data_path must be a file written by megdiffusion.scripts.prepare"),
+    ("58:prepare-from-a-fifo", "prepare", ["fifo.npz", "out.data"], "fifo.npz is a FIFO (named pipe)"),
+    ("58:convert-a-fifo", "convert", ["fifo.pt", "out.pkl"], "fifo.pt is a FIFO (named pipe)"),
+    ("58:sample-from-a-fifo", "sample", [*SAMPLE, "--ckpt=fifo.pkl"], "fifo.pkl"),
+    ("58:nll-of-a-fifo", "nll", ["--ckpt=run", "fifo.npz"], "fifo.npz is a FIFO (named pipe)"),
+    ("58:fid-save-stats-of-a-fifo", "fid", ["--save_stats", "fifo.data", "s.npz"], "fifo.data is a FIFO"),
     # checks before the first write
     ("58:streamed-folder-unreadable-image", "train", [*TRAIN, "--dataset=folder", "--data_path=images_broken",
                                                       "--image_size=8", "--logdir=new"],
@@ -694,6 +706,7 @@ def tree(root):
         status = path.lstat()
         found[str(path.relative_to(root))] = (
             os.readlink(path) if path.is_symlink() else ("dir", status.st_mtime_ns) if path.is_dir() else
+            ("fifo", status.st_mtime_ns) if path.is_fifo() else
             (status.st_size, status.st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest()))
     return found
 
@@ -759,6 +772,8 @@ def test_bad_input_is_one_error_line_exit_2_and_changes_no_file(shared, command_
     workdir = tmp_path / "case"
     shutil.copytree(shared, workdir, symlinks=True, ignore=shutil.ignore_patterns("samples*"))
     (workdir / "home").mkdir()
+    for name in FIFOS:  # made here: copying one would wait for a writer
+        os.mkfifo(workdir / name)
     before, shared_before = tree(workdir), tree(shared)
     env = {**os.environ, "HOME": str(workdir / "home"), "PYTHONPATH": str(REPO)}
     env.pop("XDG_CACHE_HOME", None)

@@ -86,7 +86,7 @@ def test_a_flag_several_commands_take_has_one_bound_default_and_help(script_flag
 FLAG_MENTION = re.compile(r"(?<![\w-])--([a-z][a-z0-9_]*)(?![\w-])")
 # Flags a message may name that no command defines: absl's own, and "--name" standing for any flag.
 ABSL_FLAGS = {"flagfile", "help", "helpfull", "helpshort", "undefok"}
-PLACEHOLDERS = {"name"}
+PLACEHOLDERS = {"name", "sample_"}  # training.config turns a sampler message's --steps into --sample_steps
 
 
 def mentioned_flags():

@@ -191,8 +191,8 @@ def test_resume_continues_a_run_from_init_from_and_refuses_another(tiny_model_fl
     other = list_checkpoints(str(first))[0]
     refused = train(f"--flagfile={run / 'flags.cfg'}", "--resume", "--total_steps=3", f"--init_from={other}")
     assert refused.returncode == 2 and error_lines(refused.stderr) == [
-        f"error: --resume continues the run in {run}, which started from {first}; --init_from {other} would start "
-        "another: drop --init_from to continue the run, or give a new --logdir to start from it"]
+        f"error: --resume continues the run in {run}, which started from {first}, and --init_from {other} would "
+        "start another; drop --init_from to continue the run, or give a new --logdir to start from it"]
     assert len(list_checkpoints(str(run))) == 2
 
 

@@ -13,7 +13,7 @@ from megdiffusion.data.prepared import PreparedDataset, is_prepared, read_record
 from megdiffusion.data.sources import CROP_RULE, IMAGE_EXTENSIONS, ArraySource, DatasetError, FolderSource, \
     LmdbSource, check_files, decode_array, decode_file, image_paths, is_lmdb, subfolder_classes
 from megdiffusion.errors import one_line
-from megdiffusion.fileio import read_npz
+from megdiffusion.fileio import check_not_special, read_npz
 from megdiffusion.torch_archive import load_array_pickle
 
 ASSETS = Path(__file__).parent / "assets"
@@ -162,7 +162,7 @@ class ImageFolder:
 
 
 class Subset:
-    """The images ``indices`` of ``images`` (an array, memory map or ``ImageFolder``), read when asked for, with
+    """The images ``indices`` of ``images`` (an array, ``PreparedImages`` or ``ImageFolder``), read when asked for, with
     the same indexing (an int: one HWC image; an index array: stacked) and ``shape``."""
 
     def __init__(self, images, indices):
@@ -324,6 +324,7 @@ def source_for(spec, labels="auto"):
     data file, an npz (``arr_0``, labels ``arr_1``) or an idx images file. ``labels``: "auto" keeps the labels the
     source has (CIFAR-10's, an npz's ``arr_1``, the idx labels file beside the images; a folder has none),
     "subfolders" takes a folder's first-level subfolders as classes, "none" drops them."""
+    check_not_special(spec)
     path = Path(spec)
     if labels == "subfolders" and not (path.is_dir() and not _array_dataset(path) and not is_lmdb(path)):
         raise DatasetError(f"--labels subfolders takes classes from a folder's subfolders; {spec} is not a folder of "
@@ -377,7 +378,7 @@ def describe_dataset(name, path, images, num_classes=0):
     classes = f", {num_classes} classes" if num_classes else ""
     if name == "prepared":
         record = read_record(path)
-        how = f"prepared file {path} (memory-mapped; {record['source']}, {record['crop']})"
+        how = f"prepared file {path} (read as the steps need it; {record['source']}, {record['crop']})"
     elif name == "folder":
         how = f"folder {path} (streamed: decoded as batches need them; {CROP_RULE.format(size=size)})"
     else:

@@ -23,7 +23,7 @@ def per_rank_batch(global_batch, world_size):
 
 
 class BatchLoader:
-    """Batches of ``images`` (uint8 NHWC: an array, a memory map, or anything indexed by an index array that has
+    """Batches of ``images`` (uint8 NHWC: an array, prepared images, or anything indexed by an index array that has
     ``shape``, e.g. ``datasets.ImageFolder``) as float32 NCHW in [-1, 1], with their class ``labels`` (int, (N,)) when
     given, for one rank of ``world_size``."""
 
@@ -76,7 +76,7 @@ class BatchLoader:
 
 
 def batch_images(images, indices, flips):
-    """The float32 NCHW batch in [-1, 1] of ``images[indices]`` (an array, a memory map or a streamed folder),
+    """The float32 NCHW batch in [-1, 1] of ``images[indices]`` (an array, prepared images or a folder),
     mirrored left-right where ``flips``."""
     batch = np.asarray(images[indices])
     batch[flips] = batch[flips, :, ::-1]

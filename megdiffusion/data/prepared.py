@@ -23,7 +23,7 @@ import numpy as np
 
 from megdiffusion.data.sources import CROP_RULE, DatasetError, check_files, decode
 from megdiffusion.errors import one_line
-from megdiffusion.fileio import atomic_write, check_writable
+from megdiffusion.fileio import atomic_write, check_not_special, check_writable
 from megdiffusion.processes import start_worker
 
 MAGIC = b"MEGDDSET"
@@ -35,6 +35,8 @@ CHUNK = 64  # images a worker decodes per task
 
 def is_prepared(path):
     """Whether ``path`` is a file that begins like a prepared dataset."""
+    if not os.path.isfile(path):  # a FIFO would block the read
+        return False
     try:
         with open(path, "rb") as f:
             return f.read(len(MAGIC)) == MAGIC
@@ -114,6 +116,7 @@ class PreparedImages:
 def read_record(path):
     """The record of the prepared file at ``path``; ``DatasetError`` (one line) for a file that is not one, or is
     truncated or damaged."""
+    check_not_special(path)
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:

@@ -7,6 +7,7 @@ import numpy as np
 
 from megdiffusion.diffusion.choices import LEARNED_VAR_TYPES
 from megdiffusion.errors import one_line
+from megdiffusion.fileio import check_not_special
 from megdiffusion import torch_archive
 from megdiffusion.formats import ConvertError
 from megdiffusion.formats.diffusers import DIFFUSERS_WEIGHTS, EMBEDDING_LAYER, diffusers_source, sin_cos_columns
@@ -80,6 +81,7 @@ def read_source(path, ema=False):
                 raise ConvertError(f"{path} holds no {' or '.join(DIFFUSERS_WEIGHTS)}")
             path = found[0]
         elif not os.path.isfile(path):
+            check_not_special(path)
             raise ConvertError(f"no file or directory {path}")
         obj, torch_file = _read_weights(path)
     except torch_archive.WeightsError as err:

@@ -10,6 +10,7 @@ import os
 import numpy as np
 
 from megdiffusion.errors import one_line
+from megdiffusion.fileio import check_not_special
 from megdiffusion.torch_archive import WeightsError
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
@@ -20,6 +21,7 @@ MAX_HEADER = 100_000_000  # bytes: the limit the safetensors library itself enfo
 def is_safetensors(path):
     """Whether ``path`` starts like a safetensors file: 8 bytes of header length, then a JSON object (``{"`` or
     ``{}``); ``read_safetensors`` says what is wrong with one whose length is not sane."""
+    check_not_special(path)
     with open(path, "rb") as f:
         return f.read(10)[8:10] in (b'{"', b"{}")
 

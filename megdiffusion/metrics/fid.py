@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 
 from megdiffusion.errors import MegdiffusionError
-from megdiffusion.fileio import read_npz, save_npz
+from megdiffusion.fileio import check_not_special, read_npz, save_npz
 from megdiffusion.metrics import FEATURE_DIM, INPUT_SIZE
 
 
@@ -123,7 +123,7 @@ def get_inception(weights_path=None):
 
 
 def _batch(images, start, stop):
-    """The network input (``preprocess``) for ``images[start:stop]``: an NHWC array (or memory map), a sequence of
+    """The network input (``preprocess``) for ``images[start:stop]``: an NHWC array (or prepared images), a sequence of
     images of one size that an index array reads at once (``shape``: a streamed folder, a ``Subset``), or a sequence
     of uint8 HWC images whose sizes may differ."""
     if isinstance(images, np.ndarray):
@@ -257,10 +257,10 @@ def load_statistics(path):
 
 def images_for_source(spec, image_size=None):
     """The images named by ``spec``: a directory of images (recursive, read lazily), a prepared dataset file
-    (``scripts.prepare``; memory-mapped), an npz with uint8 NHWC ``arr_0``, "fashion_mnist" (the embedded split) or
+    (``scripts.prepare``; read as needed), an npz with uint8 NHWC ``arr_0``, "fashion_mnist" (the embedded split) or
     "fashion_mnist:DIR", or "cifar10:DIR" (python batches, train split). With ``image_size``, every image is
     centre-cropped and resized to it as training does (``sources.fit_square``; a prepared file must be of that
-    size). Returns a uint8 NHWC array (or memory map) or a ``datasets.ImageFolder``.
+    size). Returns a uint8 NHWC array (or ``PreparedImages``) or a ``datasets.ImageFolder``.
     """
     from megdiffusion.data.datasets import DatasetError, ImageFolder, load_dataset
     from megdiffusion.data.prepared import is_prepared
@@ -280,6 +280,7 @@ def images_for_source(spec, image_size=None):
             return load_dataset("npz", spec, image_size)
     except DatasetError as exc:
         raise FIDError(str(exc)) from None
+    check_not_special(spec)
     raise FIDError(f"{spec!r} is not a directory of images, a prepared dataset, an .npz file, 'fashion_mnist' or "
                    "'cifar10:DIR'")
 

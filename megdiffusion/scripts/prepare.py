@@ -4,7 +4,7 @@ SRC: a folder of images (recursive; ``--labels subfolders`` makes its first-leve
 LMDB (needs ``pip install 'megdiffusion[lmdb]'``), CIFAR-10's python batches, an npz of uint8 NHWC images
 (``arr_0``, labels ``arr_1``), Fashion-MNIST's idx files, or ``fashion_mnist`` (the embedded split). DEST: one file
 of uint8 images at the training resolution, centre-cropped and resized (``data.prepared``), with the labels and a
-record of what it holds; ``train --data_path DEST`` reads it by memory map. Images are decoded in worker processes
+record of what it holds; ``train --data_path DEST`` reads it image by image. Images are decoded in worker processes
 (every core by default), with a progress bar; DEST is written atomically. Bad input: one ``error:`` line, exit
 code 2, nothing written.
 """

@@ -55,7 +55,7 @@ class TrainConfig:
     dataset: str = _flag("fashion_mnist", "The embedded Fashion-MNIST split (or its idx files), CIFAR-10's "
                          "python batches, a folder of images (read as the steps need them; with --num_classes, its "
                          "first-level subfolders are the classes), an npz of uint8 NHWC images, or a file made by "
-                         "megdiffusion.scripts.prepare (read by memory map; a --data_path to such a file is "
+                         "megdiffusion.scripts.prepare (read image by image; a --data_path to such a file is "
                          "recognised whatever --dataset says).", choices=DATASETS)
     data_path: Optional[str] = _flag(None, "Dataset location (directory or file); embedded data if unset.")
     image_size: Optional[int] = _flag(None, "Image size; unset = the dataset's size (required for folder).", min=1,
@@ -396,7 +396,8 @@ def config_from_flags(flag_values):
 
 
 def resolve(cfg):
-    """Open the dataset (a prepared file by memory map, a folder as a list of paths: nothing is decoded here), fill
+    """Open the dataset (a prepared file's images read when asked for, a folder as a list of paths whose headers are
+    checked: nothing is decoded here), fill
     ``image_size``/``image_channels`` from it and validate: ``(cfg, images)``. A ``--data_path`` to a prepared file
     makes the dataset "prepared"."""
     from megdiffusion.data.datasets import class_names, load_dataset, load_labels
