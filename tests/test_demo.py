@@ -167,3 +167,14 @@ def test_demo_takes_one_training_budget(tmp_path):
     result = run_demo(output, home, budget=("--minutes=1", "--images=100"))
     assert result.returncode == 2 and "give --minutes or --images, not both" in result.stderr
     assert not output.exists()
+
+
+def test_an_image_budget_of_one_batch_trains_its_guide_and_its_step(tmp_path):
+    """--images 16 at the recipe's batch of 16 is one step: the guide is that step (its first part once ran zero
+    steps and failed after writing the run)."""
+    home, output = tmp_path / "home", tmp_path / "out"
+    home.mkdir()
+    result = run_demo(output, home, budget=("--images=16",))
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["guide_step"] == 1

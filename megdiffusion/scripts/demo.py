@@ -125,8 +125,8 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
     fraction = guide_fraction(start_step, run_steps) if run_steps else GUIDE_FRACTION
     if fraction == 0 and not os.path.isfile(guide_path):
         fraction = GUIDE_FRACTION
-    first = dataclasses.replace(cfg, time_limit_minutes=(minutes or 0) * fraction, total_steps=start_step + max(
-        1, int(batches * fraction)) if batches else cfg.total_steps)  # the guide has at least one step
+    first = dataclasses.replace(cfg, time_limit_minutes=(minutes or 0) * fraction, total_steps=max(
+        1, start_step + int(batches * fraction)) if batches else cfg.total_steps)  # a guide of one step at least
     second = dataclasses.replace(cfg, resume=cfg.resume or fraction > 0,
                                  time_limit_minutes=(minutes or 0) * (1 - fraction))
     if num_images + num_reference > len(images):
