@@ -54,10 +54,9 @@ _SWEPT = set()  # the directories whose leftovers this process removed (once eac
 
 def remove_leftovers(directory):
     """Remove the temporary files and directories in ``directory`` that killed commands left (no process holds
-    their lock), once a process; returns their paths."""
-    removed = []
+    their lock), once a process."""
     if directory in _SWEPT:
-        return removed
+        return
     _SWEPT.add(directory)
     for entry in sorted(os.listdir(directory)):
         path = os.path.join(directory, entry)
@@ -74,12 +73,10 @@ def remove_leftovers(directory):
                 shutil.rmtree(path)
             else:
                 os.remove(path)
-            removed.append(path)
         except OSError:
             pass
         finally:
             os.close(fd)
-    return removed
 
 
 @contextlib.contextmanager
@@ -197,25 +194,16 @@ def check_writable(path, flag, directory=True, overwrite=False):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise OutputError(f"{flag} {path} cannot be made: {existing} is a file; choose another {flag}")
+    before = os.stat(existing)
     try:
-        with _mtime_kept(existing):  # the probe leaves no trace, the directory's modification time included
-            fd, probe = tempfile.mkstemp(dir=existing, prefix=".probe-")
-            os.close(fd)
-            os.remove(probe)
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".probe-")
+        os.close(fd)
+        os.remove(probe)
+        _set_times(existing, before)  # the probe leaves no trace, the directory's modification time included
     except OSError as err:
         raise OutputError(f"{flag} {path} cannot be written ({err.strerror} in {existing}); "
                           f"choose another {flag}") from None
     return existing
-
-
-@contextlib.contextmanager
-def _mtime_kept(directory):
-    """Give ``directory`` its access and modification times back after the block (whatever the block did in it)."""
-    before = os.stat(directory)
-    try:
-        yield
-    finally:
-        _set_times(directory, before)
 
 
 def _set_times(path, status):

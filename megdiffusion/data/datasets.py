@@ -186,9 +186,9 @@ def _folder(path, image_size):
     if is_lmdb(path):
         raise DatasetError(f"--data_path {path} is an LMDB database (LSUN's), not a folder of images: train with "
                            f"--data_path DEST after python -m megdiffusion.scripts.prepare {path} DEST --image_size N")
-    if _array_dataset(Path(path)):
-        raise DatasetError(f"--data_path {path} holds {_array_dataset(Path(path))}'s files, not a folder of images: "
-                           f"use --dataset {_array_dataset(Path(path))}")
+    other = _array_dataset(Path(path))
+    if other:
+        raise DatasetError(f"--data_path {path} holds {other}'s files, not a folder of images: use --dataset {other}")
     if not image_size:
         raise DatasetError("dataset 'folder' needs --image_size (images are centre-cropped and resized to it)")
     folder = ImageFolder(path, image_size)
@@ -279,12 +279,13 @@ def load_labels(name, path=None):
     return labels.astype(np.int32)
 
 
-def class_names(name, path=None):
-    """The class names a dataset records (a prepared file's, a folder's first-level subfolders), or None."""
-    if name == "prepared" and path is not None and is_prepared(path):
+def class_names(name, path, images):
+    """The class names that dataset ``name`` at ``path``, opened as ``images`` (``load_dataset``'s), records: a
+    prepared file's, a folder's first-level subfolders (from the paths ``images`` holds); else None."""
+    if name == "prepared":
         return read_record(path)["classes"]
-    if name == "folder" and path is not None and Path(path).is_dir():
-        return ImageFolder(path).labels()[1]
+    if name == "folder":
+        return images.labels()[1]
     return None
 
 

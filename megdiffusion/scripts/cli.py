@@ -238,12 +238,13 @@ def _flag_error(err, arguments, flag_values):
     from megdiffusion.training.config import define_flags
 
     text = str(err).removeprefix("ERROR:: ")
-    named = getattr(err, "flagname", None)
-    source = next((source for arg, source in arguments if source and arg.startswith("-")
-                   and _flag_name(arg, flag_values) == named), None)
-    if source is None and named is None:
-        source = next((source for arg, source in arguments if source and arg.startswith("-")
-                       and f"--{_flag_name(arg, flag_values)}=" in text), None)
+    named = getattr(err, "flagname", None)  # absl names the flag of an unknown one; of a bad value, in its text
+
+    def sets_it(arg):
+        name = _flag_name(arg, flag_values)
+        return name == named if named else f"--{name}=" in text
+
+    source = next((source for arg, source in arguments if source and arg.startswith("-") and sets_it(arg)), None)
     if source is None:
         return text
     if isinstance(err, flags.UnrecognizedFlagError):

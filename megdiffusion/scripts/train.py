@@ -65,7 +65,7 @@ def check_resume_flags(stored, path):
 def read_recipe(argv):
     """Without --flagfile: make the recipe a command line ``argv`` reads first (``recipes``) the flags' defaults, so
     that --help shows them and the command line overrides them; ``(cfg, path)`` of a continued run, else None."""
-    if any(arg.startswith(("--flagfile", "-flagfile")) for arg in argv[1:]):
+    if any(arg.startswith(cli.FLAGFILE_FLAGS) for arg in argv[1:]):
         return None
     resumed = recipes.resumed_config(argv[1:])
     if resumed is not None:

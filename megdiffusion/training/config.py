@@ -418,7 +418,7 @@ def resolve(cfg):
                           f"fewer than --batch_size {cfg.batch_size}")
     if cfg.num_classes:
         check_labels(load_labels(cfg.dataset, path=cfg.data_path), len(images), cfg.num_classes)
-        names = class_names(cfg.dataset, cfg.data_path)
+        names = class_names(cfg.dataset, cfg.data_path, images)
         if names and len(names) != cfg.num_classes:
             raise ConfigError(f"{cfg.data_path} holds {len(names)} classes ({', '.join(names[:4])}"
                               f"{', ...' if len(names) > 4 else ''}), not --num_classes {cfg.num_classes}; set "
