@@ -49,7 +49,7 @@ def child(args):
     mge = quiet_megengine()
     mge.config.async_level = args.async_level
     from megdiffusion.cpu import batch_threads
-    from megdiffusion.images import to_float
+    from megdiffusion.files.images import to_float
     from megdiffusion.cpu import conv
     from megdiffusion.diffusion.generation import generate_images
     from megdiffusion.training.config import CPU_RECIPE

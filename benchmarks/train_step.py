@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megdiffusion.compat import quiet_megengine  # noqa: E402
 
 quiet_megengine()
-from megdiffusion.images import to_float  # noqa: E402
+from megdiffusion.files.images import to_float  # noqa: E402
 from megdiffusion.cpu.choice import use_cpu_engine  # noqa: E402
 from megdiffusion.training.config import CPU_RECIPE, TrainConfig  # noqa: E402
 from megdiffusion.scripts.cli import config_from_flagfile  # noqa: E402

@@ -9,13 +9,13 @@
 # Step 2 prints one JSON line per row (docs/gpus.md: how to read them); paste them into an issue.
 # Before them, a header: MegEngine's version, the CUDA and cuDNN it was built with, each card's name and compute
 # capability; a build that does not target the card (no kernels for it: PTX JIT or nothing) is refused in one line,
-# exit 2 (megdiffusion/gpu_build.py; GPU_CHECK_ALLOW_JIT=1 measures a PTX-JIT build anyway).
+# exit 2 (megdiffusion/scripts/gpu_build.py; GPU_CHECK_ALLOW_JIT=1 measures a PTX-JIT build anyway).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 ALLOW_JIT=""
 if [ "${GPU_CHECK_ALLOW_JIT:-0}" = 1 ]; then ALLOW_JIT=--allow-jit; fi
-"$PY" -m megdiffusion.gpu_build check $ALLOW_JIT
+"$PY" -m megdiffusion.scripts.gpu_build check $ALLOW_JIT
 if ! "$PY" -c 'import megengine, sys; sys.exit(0 if megengine.is_cuda_available() else 1)' 2>/dev/null; then
     echo "gpu_check: MegEngine sees no CUDA GPU on this machine; run it where one is" >&2
     exit 2

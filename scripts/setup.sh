@@ -5,7 +5,7 @@
 # PyPI's MegEngine is a CUDA 10.1 build (kernels for compute capability 5.2-7.5). MEGENGINE_WHEEL=<wheel file or URL>
 # or MEGENGINE_INDEX=<find-links page or directory, e.g. https://megengine.org.cn/whl/mge.html> installs that
 # MegEngine instead (also into an existing .venv); checked before anything is installed (docs/gpus.md). With an
-# NVIDIA GPU (nvidia-smi), one line says whether the installed build fits the card (megdiffusion/gpu_build.py).
+# NVIDIA GPU (nvidia-smi), one line says whether the installed build fits the card (megdiffusion/scripts/gpu_build.py).
 set -euo pipefail
 CALLER_DIR=$PWD
 cd "$(dirname "$0")/.."
@@ -49,7 +49,7 @@ if [ -n "${MEGENGINE_WHEEL:-}${MEGENGINE_INDEX:-}" ]; then
     # Without .venv's python or a CPython 3.10 nothing can be installed: the step below says so.
     if [ -x "$VENV/bin/python" ]; then CHECK_PY="$VENV/bin/python"; else CHECK_PY=$(find_python310 || true); fi
     if [ -n "$CHECK_PY" ]; then
-        MEGENGINE_TARGET=$("$CHECK_PY" -I megdiffusion/gpu_build.py source --cwd "$CALLER_DIR") || exit 2
+        MEGENGINE_TARGET=$("$CHECK_PY" -I megdiffusion/scripts/gpu_build.py source --cwd "$CALLER_DIR") || exit 2
     fi
 fi
 
@@ -64,7 +64,7 @@ install_megengine() {
 gpu_advice() {
     # One line on the build and the card, where there is an NVIDIA GPU; never fails setup.
     if command -v nvidia-smi >/dev/null 2>&1; then
-        "$VENV/bin/python" -m megdiffusion.gpu_build advise 2>/dev/null || true
+        "$VENV/bin/python" -m megdiffusion.scripts.gpu_build advise 2>/dev/null || true
     fi
 }
 

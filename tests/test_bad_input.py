@@ -19,7 +19,7 @@ import pytest
 from megdiffusion.compat import cuda_driver_loadable
 from megdiffusion.data.prepared import prepare
 from megdiffusion.data.sources import ArraySource, FolderSource
-from megdiffusion.images import read_image, save_png
+from megdiffusion.files.images import read_image, save_png
 from megdiffusion.training.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from megdiffusion.training.config import CPU_RECIPE
 

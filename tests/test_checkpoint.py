@@ -9,7 +9,7 @@ import pytest
 
 from megdiffusion import sampling
 from megdiffusion.compat import quiet_megengine
-from megdiffusion.torch_archive import load_array_pickle
+from megdiffusion.files.torch_archive import load_array_pickle
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training.trainer import TrainingRun
 

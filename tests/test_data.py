@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from megdiffusion.data.datasets import DatasetError, ImageFolder, load_dataset, load_labels, read_idx_images
-from megdiffusion.images import make_grid, read_image, save_png, to_float, to_uint8
+from megdiffusion.files.images import make_grid, read_image, save_png, to_float, to_uint8
 
 
 def test_embedded_fashion_mnist_is_the_full_test_split():

@@ -192,7 +192,7 @@ def test_bad_sources_are_reported(tmp_path):
 def test_real_images_give_same_statistics_from_every_source(tmp_path, monkeypatch):
     """6 embedded Fashion-MNIST images through the network, read as a dataset, an npz, PNG and WebP files."""
     from megdiffusion.data.datasets import load_dataset
-    from megdiffusion.images import save_png
+    from megdiffusion.files.images import save_png
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     images = load_dataset("fashion_mnist")[:6]

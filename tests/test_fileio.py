@@ -1,7 +1,7 @@
 """Output directories: checked before anything is written, locked while a command writes in them."""
 import pytest
 
-from megdiffusion.fileio import OutputError, atomic_write, check_writable, output_directory, write_text
+from megdiffusion.files.disk import OutputError, atomic_write, check_writable, output_directory, write_text
 
 
 def test_a_locked_directory_refuses_a_second_holder_until_released(tmp_path):
@@ -67,7 +67,7 @@ def test_leftovers_of_killed_writes_are_removed_and_writes_in_progress_kept(tmp_
     that directory removes it; one still being written (locked) stays, and so do other files."""
     import fcntl
 
-    from megdiffusion import fileio
+    from megdiffusion.files import disk as fileio
 
     (tmp_path / f"{fileio.TEMPORARY}dead").write_bytes(b"x" * 100)
     (tmp_path / f"{fileio.TEMPORARY}dead_dir").mkdir()

@@ -23,7 +23,7 @@ from megdiffusion.compat import quiet_megengine
 mge = quiet_megengine()
 
 from megdiffusion import formats, sampling  # noqa: E402
-from megdiffusion import torch_archive  # noqa: E402
+from megdiffusion.files import torch_archive  # noqa: E402
 from megdiffusion.formats import convert, diffusers, names, networks  # noqa: E402
 from megdiffusion.formats.published import PUBLISHED  # noqa: E402
 from megdiffusion.training import checkpoint as ckpt  # noqa: E402

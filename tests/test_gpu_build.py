@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from megdiffusion import gpu_build
-from megdiffusion.gpu_build import CANNOT, FITS, JIT, KNOWN_BUILDS, BuildError
+from megdiffusion.scripts import gpu_build
+from megdiffusion.scripts.gpu_build import CANNOT, FITS, JIT, KNOWN_BUILDS, BuildError
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -271,13 +271,13 @@ def test_source_cli(tmp_path, monkeypatch, capsys):
 
 @pytest.fixture()
 def sandbox(tmp_path):
-    """scripts/setup.sh and megdiffusion/gpu_build.py in a directory of their own, with no .venv: what setup.sh
+    """scripts/setup.sh and megdiffusion/scripts/gpu_build.py in a directory of their own, with no .venv: what setup.sh
     may write on a failing case shows in its tree."""
     root = tmp_path / "repo"
     (root / "scripts").mkdir(parents=True)
-    (root / "megdiffusion").mkdir()
+    (root / "megdiffusion" / "scripts").mkdir(parents=True)
     shutil.copy(REPO / "scripts" / "setup.sh", root / "scripts" / "setup.sh")
-    shutil.copy(REPO / "megdiffusion" / "gpu_build.py", root / "megdiffusion" / "gpu_build.py")
+    shutil.copy(REPO / "megdiffusion" / "scripts" / "gpu_build.py", root / "megdiffusion" / "scripts" / "gpu_build.py")
     (tmp_path / CU118_WHEEL).write_bytes(b"")
     return root
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from megdiffusion.data.loader import BatchLoader, LoaderError, per_rank_batch
-from megdiffusion.images import to_float
+from megdiffusion.files.images import to_float
 
 
 def numbered_images(n, size=4):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from megdiffusion.formats.safetensors_file import is_safetensors, read_safetensors
-from megdiffusion.torch_archive import WeightsError
+from megdiffusion.files.torch_archive import WeightsError
 
 
 def _write(path, tensors, metadata=None):

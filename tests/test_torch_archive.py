@@ -11,7 +11,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from megdiffusion import torch_archive
+from megdiffusion.files import torch_archive
 
 
 # --- a writer for torch's archive format, for the reader tests -------------------------------------

@@ -13,8 +13,8 @@ from megdiffusion.data.prepared import PreparedDataset, is_prepared, read_record
 from megdiffusion.data.sources import CROP_RULE, IMAGE_EXTENSIONS, ArraySource, DatasetError, FolderSource, \
     LmdbSource, check_files, decode_array, decode_file, image_paths, is_lmdb, subfolder_classes
 from megdiffusion.errors import one_line
-from megdiffusion.fileio import check_not_special, read_npz
-from megdiffusion.torch_archive import load_array_pickle
+from megdiffusion.files.disk import check_not_special, read_npz
+from megdiffusion.files.torch_archive import load_array_pickle
 
 ASSETS = Path(__file__).parent / "assets"
 IMAGES, LABELS = "images-idx3", "labels-idx1"  # the two kinds of Fashion-MNIST idx file

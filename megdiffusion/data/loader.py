@@ -8,7 +8,7 @@ global batch from ``default_rng([seed, 1, e, position])``. The whole state is ``
 import numpy as np
 
 from megdiffusion.errors import MegdiffusionError
-from megdiffusion.images import to_float
+from megdiffusion.files.images import to_float
 
 
 class LoaderError(MegdiffusionError):

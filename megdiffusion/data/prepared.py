@@ -3,7 +3,7 @@
 Layout: ``MAGIC`` and two little-endian uint64 (the record's offset and length) in the first 24 bytes; the images
 from byte ``DATA_OFFSET``, image after image; int32 class labels after them when the source has labels; the record
 (JSON: count, size, channels, classes, source, crop rule, checksum, skipped files) last. The file is written under a
-temporary name and renamed when whole (``fileio.atomic_write``), so a killed or failed ``prepare`` leaves nothing
+temporary name and renamed when whole (``files.disk.atomic_write``), so a killed or failed ``prepare`` leaves nothing
 that ``open_prepared`` accepts; a truncated or damaged file fails its size check.
 
 Images are read with ``pread`` from a descriptor held open (``PreparedImages``), not through a memory map: the file's
@@ -23,7 +23,7 @@ import numpy as np
 
 from megdiffusion.data.sources import CROP_RULE, DatasetError, check_files, decode
 from megdiffusion.errors import one_line
-from megdiffusion.fileio import atomic_write, check_not_special, check_writable
+from megdiffusion.files.disk import atomic_write, check_not_special, check_writable
 from megdiffusion.processes import start_worker
 
 MAGIC = b"MEGDDSET"

@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image
 
 from megdiffusion.errors import MegdiffusionError, one_line
-from megdiffusion.images import ImageError, check_image, open_image, pillow_quiet
+from megdiffusion.files.images import ImageError, check_image, open_image, pillow_quiet
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 CROP_RULE = "centre crop to a square, then PIL bicubic resize to {size}x{size}"

@@ -23,7 +23,7 @@ import megengine.functional as F
 from megdiffusion.diffusion.samplers import eval_mode
 from megdiffusion.diffusion.solvers import sampler_label
 from megdiffusion.errors import MegdiffusionError
-from megdiffusion.images import to_uint8
+from megdiffusion.files.images import to_uint8
 from megdiffusion.cpu.native import NativeModel
 from megdiffusion.nn.options import NO_CLASS
 from megdiffusion.nn.unet import UNet

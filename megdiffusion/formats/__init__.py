@@ -4,7 +4,7 @@
 onto megdiffusion's UNet (``scripts.convert`` writes the result as a checkpoint). The parts: ``names`` (how each
 format names the UNet's tensors), ``networks`` (the network a state dict's shapes describe), ``diffusers`` (its
 config files), ``published`` (the published networks and what their files do not record); ``safetensors_file`` (and
-``megdiffusion.torch_archive``, which reads checkpoints and datasets too) read the files without torch.
+``megdiffusion.files.torch_archive``, which reads checkpoints and datasets too) read the files without torch.
 
 The formats (``FORMATS``), each Ho et al.'s network under its own names (``LAYOUTS``), but the last:
 

@@ -7,8 +7,8 @@ import numpy as np
 
 from megdiffusion.diffusion.choices import LEARNED_VAR_TYPES
 from megdiffusion.errors import one_line
-from megdiffusion.fileio import check_not_special
-from megdiffusion import torch_archive
+from megdiffusion.files.disk import check_not_special
+from megdiffusion.files import torch_archive
 from megdiffusion.formats import ConvertError
 from megdiffusion.formats.diffusers import DIFFUSERS_WEIGHTS, EMBEDDING_LAYER, diffusers_source, sin_cos_columns
 from megdiffusion.formats.names import TIME_TABLE, detect_layout, format_of, mapping, qkv_part, split_qkv

@@ -258,7 +258,7 @@ def write_diffusers(cfg, weights, path):
     (scheduler_config.json), all or nothing; ``ConvertError`` for a network diffusers cannot describe."""
     from safetensors.numpy import save_file
 
-    from megdiffusion.fileio import atomic_directory
+    from megdiffusion.files.disk import atomic_directory
 
     unet, scheduler = diffusers_configs(cfg)
     tensors = diffusers_tensors(cfg, weights)

@@ -11,7 +11,7 @@ import json
 
 import numpy as np
 
-from megdiffusion.fileio import atomic_write
+from megdiffusion.files.disk import atomic_write
 from megdiffusion.formats import ConvertError
 
 MGE_MAGIC = b"mgv2"  # MegEngine's graph files name their format in the first 16 bytes
@@ -60,7 +60,7 @@ def read_mge_info(path):
     """The dict ``dump_mge`` stored in the graph file at ``path``; ``ConvertError`` when it holds none."""
     from megengine.core.tensor.megbrain_graph import load_graph
 
-    from megdiffusion.torch_archive import load_plain_pickle
+    from megdiffusion.files.torch_archive import load_plain_pickle
 
     try:
         with open(path, "rb") as f:

@@ -8,7 +8,7 @@ float32 rounding.
 """
 import numpy as np
 
-from megdiffusion.fileio import atomic_write
+from megdiffusion.files.disk import atomic_write
 from megdiffusion.formats import ConvertError
 
 # ReduceMean takes its axes as an attribute up to opset 17 and as an input from 18; Split, Resize, Pad, Unsqueeze and

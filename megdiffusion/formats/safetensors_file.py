@@ -10,8 +10,8 @@ import os
 import numpy as np
 
 from megdiffusion.errors import one_line
-from megdiffusion.fileio import check_not_special
-from megdiffusion.torch_archive import WeightsError
+from megdiffusion.files.disk import check_not_special
+from megdiffusion.files.torch_archive import WeightsError
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
            "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}

@@ -9,7 +9,7 @@ import os
 import numpy as np
 
 from megdiffusion.diffusion.generation import generate_images, image_seed
-from megdiffusion.images import to_float
+from megdiffusion.files.images import to_float
 from megdiffusion.metrics import fid
 from megdiffusion.metrics.kid_pr import KID_SEED, KID_SUBSETS
 from megdiffusion.metrics.scores import check_sizes, compare, needs_features

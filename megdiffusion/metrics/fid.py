@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 
 from megdiffusion.errors import MegdiffusionError
-from megdiffusion.fileio import check_not_special, read_npz, save_npz
+from megdiffusion.files.disk import check_not_special, read_npz, save_npz
 from megdiffusion.metrics import FEATURE_DIM, INPUT_SIZE
 
 

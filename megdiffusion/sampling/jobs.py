@@ -15,9 +15,9 @@ import numpy as np
 from megdiffusion.progress import progress_bar
 
 from megdiffusion.errors import MegdiffusionError
-from megdiffusion.fileio import output_directory, save_npz, write_text
+from megdiffusion.files.disk import output_directory, save_npz, write_text
 from megdiffusion.diffusion.generation import Autoguidance, check_class_label, generate_images
-from megdiffusion.images import make_grid, read_image, save_png
+from megdiffusion.files.images import make_grid, read_image, save_png
 from megdiffusion.sampling.model import load
 from megdiffusion.training import checkpoint, distributed
 

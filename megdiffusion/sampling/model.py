@@ -174,7 +174,7 @@ def _diffusers_directory(path):
 
 def _published_file(path):
     """Whether ``path`` is a torch or safetensors file: what only a published checkpoint is."""
-    from megdiffusion import torch_archive
+    from megdiffusion.files import torch_archive
     from megdiffusion.formats.safetensors_file import is_safetensors
 
     return torch_archive.is_torch_file(path) or is_safetensors(path)

@@ -12,7 +12,7 @@ from absl import flags
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import VAR_TYPES
 from megdiffusion.diffusion.schedules import SCHEDULES
-from megdiffusion.fileio import check_not_input, check_writable
+from megdiffusion.files.disk import check_not_input, check_writable
 from megdiffusion.formats import CHANNEL_ORDERS, FORMATS
 from megdiffusion.scripts import cli, shared_flags
 from megdiffusion.scripts.cli import UsageError, define_integer, megengine_failures, one_line_errors

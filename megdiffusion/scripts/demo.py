@@ -23,7 +23,7 @@ from absl import flags
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.solvers import sampler_label
 from megdiffusion.training.config import CPU_RECIPE
-from megdiffusion.fileio import copy_file, output_directory, save_npz, write_text
+from megdiffusion.files.disk import copy_file, output_directory, save_npz, write_text
 from megdiffusion.metrics.kid_pr import NEIGHBOURS
 from megdiffusion.metrics.scores import FEATURE_NETWORK
 from megdiffusion.scripts import cli, shared_flags
@@ -102,7 +102,7 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
     from megdiffusion.metrics.evaluate import model_scores, reference_statistics
     from megdiffusion.metrics.scores import METRICS, compare
     from megdiffusion.diffusion.generation import Autoguidance
-    from megdiffusion.images import make_grid, save_png
+    from megdiffusion.files.images import make_grid, save_png
     from megdiffusion.sampling.jobs import check_sampler, load_model
     from megdiffusion.training.checkpoint import list_checkpoints, load_latest
     from megdiffusion.training.config import build_diffusion

@@ -19,7 +19,7 @@ import os
 from absl import flags
 
 from megdiffusion.compat import quiet_megengine
-from megdiffusion.fileio import OutputError, check_not_input, check_writable
+from megdiffusion.files.disk import OutputError, check_not_input, check_writable
 from megdiffusion.formats import EXPORT_TARGETS
 from megdiffusion.formats.onnx_graph import OPSETS
 from megdiffusion.scripts import cli, shared_flags

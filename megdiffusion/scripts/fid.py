@@ -16,7 +16,7 @@ from absl import flags
 
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.solvers import sampler_label
-from megdiffusion.fileio import check_not_input, check_writable
+from megdiffusion.files.disk import check_not_input, check_writable
 from megdiffusion.metrics.kid_pr import KID_SEED, KID_SUBSET_SIZE, KID_SUBSETS
 from megdiffusion.metrics.scores import check_sizes, compare, needs_features, parse_metrics, score_lines
 from megdiffusion.scripts import cli, shared_flags

@@ -13,7 +13,7 @@ import os
 from absl import flags
 
 from megdiffusion.data.sources import ArraySource
-from megdiffusion.fileio import check_not_input
+from megdiffusion.files.disk import check_not_input
 from megdiffusion.scripts import cli, shared_flags
 from megdiffusion.scripts.cli import UsageError, define_integer, one_line_errors
 

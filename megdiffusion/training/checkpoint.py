@@ -29,8 +29,8 @@ import sys
 import numpy as np
 
 from megdiffusion.errors import MegdiffusionError, one_line
-from megdiffusion.fileio import atomic_write
-from megdiffusion.torch_archive import WeightsError, load_array_pickle
+from megdiffusion.files.disk import atomic_write
+from megdiffusion.files.torch_archive import WeightsError, load_array_pickle
 from megdiffusion.training.draws import SCHEMES
 
 CHECKPOINT_DIR = "checkpoints"

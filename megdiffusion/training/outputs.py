@@ -15,8 +15,8 @@ import sys
 
 from megdiffusion.progress import progress_bar
 
-from megdiffusion.fileio import write_text
-from megdiffusion.images import make_grid
+from megdiffusion.files.disk import write_text
+from megdiffusion.files.images import make_grid
 from megdiffusion.diffusion.generation import generate_images
 from megdiffusion.training.config import to_flagfile, to_json
 

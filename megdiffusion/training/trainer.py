@@ -16,8 +16,8 @@ from megdiffusion.compat import EngineFailure, is_megengine_error, megengine_err
 from megdiffusion.data.datasets import dataset_identity, describe_dataset, load_dataset, load_labels
 from megdiffusion.data.loader import BatchLoader
 from megdiffusion.errors import MegdiffusionError
-from megdiffusion.fileio import output_directory
-from megdiffusion.images import save_png
+from megdiffusion.files.disk import output_directory
+from megdiffusion.files.images import save_png
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
 from megdiffusion.training.config import ConfigError, TrainConfig, build_diffusion, build_model, validate

@@ -21,9 +21,9 @@ refuses both in one ``error:`` line, exit 2 (``jit`` is let through with ``GPU_C
 of wheels) makes setup install that build instead of PyPI's; ``source`` checks them before anything is installed.
 
 Standard library only, and MegEngine is imported only inside ``installed_build(load=True)``: setup.sh runs this
-file with the system's CPython before the virtual environment exists (``python -I megdiffusion/gpu_build.py``).
+file with the system's CPython before the virtual environment exists (``python -I megdiffusion/scripts/gpu_build.py``).
 
-CLI (``python -m megdiffusion.gpu_build COMMAND [--capability X.Y] [--name NAME]``):
+CLI (``python -m megdiffusion.scripts.gpu_build COMMAND [--capability X.Y] [--name NAME]``):
 
 - ``advise`` (the default): one line on the installed build and the card, for setup.sh; always exit 0.
 - ``check``: gpu_check.sh's header (MegEngine's version, its CUDA and cuDNN, each card's name and compute
@@ -717,7 +717,7 @@ def _source(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m megdiffusion.gpu_build",
+    parser = argparse.ArgumentParser(prog="python -m megdiffusion.scripts.gpu_build",
                                      description="Which MegEngine build fits the NVIDIA card here (docs/gpus.md).")
     parser.add_argument("command", nargs="?", default="advise", choices=("advise", "check", "source"))
     parser.add_argument("--capability", help="the card's compute capability (e.g. 8.0) instead of nvidia-smi's")

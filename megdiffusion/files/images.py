@@ -10,7 +10,7 @@ import numpy as np
 from PIL import Image
 
 from megdiffusion.errors import MegdiffusionError, one_line
-from megdiffusion.fileio import atomic_write
+from megdiffusion.files.disk import atomic_write
 
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")  # 16-bit gray, as PIL opens it from PNG and TIFF
 

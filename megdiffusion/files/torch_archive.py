@@ -21,7 +21,7 @@ import zipfile
 import numpy as np
 
 from megdiffusion.errors import MegdiffusionError, one_line
-from megdiffusion.fileio import check_not_special, save_npz
+from megdiffusion.files.disk import check_not_special, save_npz
 from megdiffusion import environment
 
 
