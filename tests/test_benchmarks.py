@@ -73,6 +73,9 @@ def test_sample():
     assert [line.get("mode") for line in lines[:2]] == ["eager", "traced"] and lines[2]["traced_speedup"] > 0
     assert [line["sampler"] for line in lines[3:]] == ["ddim-2", "ddpm-3"]
     assert all(line["seconds_per_image"] > 0 for line in lines[3:])
+    (job,) = json_lines(run("sample.py", "--job", "4", "--batch_size", "2", "--samplers", "ddim-2", "--rounds",
+                            "1").stdout)
+    assert job["images"] == 4 and job["once_per_job_s"] > 0 and job["speedup"] > 0
 
 
 @smoke("export.py")

@@ -196,6 +196,22 @@ def test_interrupted_run_resumes_to_the_same_images(loaded, tmp_path, monkeypatc
                                   sampling.read_samples(tmp_path / "straight", 12))
 
 
+def test_a_job_builds_its_network_once_and_writes_what_each_batch_would(loaded, tmp_path, monkeypatch):
+    """``sample_to_directory`` builds the sampling network (and so its worker processes) once for all its batches,
+    and closes it at the end; its images equal ``generate_images`` called batch by batch."""
+    from megdiffusion.cpu import native
+    model, diffusion = loaded
+    built, closed = [], []
+    real_init, real_close = native.NativeModel.__init__, native.NativeModel.close
+    monkeypatch.setattr(native.NativeModel, "__init__", lambda self, m: (built.append(1), real_init(self, m))[1])
+    monkeypatch.setattr(native.NativeModel, "close", lambda self: (closed.append(1), real_close(self))[1])
+    assert sampling.sample_to_directory(model, diffusion, SHAPE, tmp_path, 12, seed=3, sampler="ddim", steps=3,
+                                        batch_size=4, progress=False) == 12
+    assert built == closed == [1] if native.enabled() else built == []
+    batches = [generate(loaded, range(i, i + 4), seed=3, sampler="ddim", steps=3) for i in (0, 4, 8)]
+    np.testing.assert_array_equal(sampling.read_samples(tmp_path, 12), np.concatenate(batches))
+
+
 def run_sample(*args):
     return subprocess.run([sys.executable, "-m", "megdiffusion.scripts.sample", *args],
                           capture_output=True, text=True, timeout=300)

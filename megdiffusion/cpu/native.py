@@ -61,7 +61,7 @@ class NativeStep:
 
     def __init__(self, model, diffusion, params):
         self.model = numpy_unet.describe(model, params)
-        self.timestep_input = model.timestep_input
+        self.timestep_input, self.num_classes = model.timestep_input, model.num_classes
         fused.note_if_missing()
         self.diffusion = diffusion
         self.shapes = [tuple(p.shape) for p in params]
@@ -119,7 +119,7 @@ class NativeModel:
     def __init__(self, model):
         params = list(model.parameters())
         self.model = numpy_unet.describe(model, params)
-        self.timestep_input = model.timestep_input
+        self.timestep_input, self.num_classes = model.timestep_input, model.num_classes
         fused.note_if_missing()
         self.shapes = [tuple(p.shape) for p in params]
         self.weights = np.concatenate([p.numpy().reshape(-1) for p in params])

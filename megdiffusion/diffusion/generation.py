@@ -12,8 +12,8 @@ error, such as an earlier checkpoint of the same run; w = 1 is the good model al
 call per step; its effect on the CPU recipe is in benchmarks/README.md ("Autoguidance").
 """
 import contextlib
+import dataclasses
 import functools
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from megdiffusion.nn.options import NO_CLASS
 from megdiffusion.nn.unet import UNet
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Autoguidance:
     """Guide sampling with ``model``, a weaker version of the sampled model (same inputs and predictions):
     prediction = bad + ``weight`` * (good - bad). A learned variance is taken from the good model alone. With
@@ -90,11 +90,10 @@ def generate_images(model, diffusion, image_shape, indices, seed, sampler="ddpm"
     check_class_label(class_label, num_classes)
     indices = list(indices)
     out = []
-    with contextlib.ExitStack() as stack:
-        network = _network(model, stack) if indices else model
-        if guidance is not None and indices:
-            network = _Guided(network, _network(guidance.model, stack), guidance.weight, image_shape[0],
-                              guidance.unconditional)
+    ready = sampling_networks(model, guidance) if indices else contextlib.nullcontext((model, guidance))
+    with ready as (network, guidance):
+        if guidance is not None:
+            network = _Guided(network, guidance.model, guidance.weight, image_shape[0], guidance.unconditional)
         for start in range(0, len(indices), batch_size):
             chunk = indices[start:start + batch_size]
             conditioned = network
@@ -139,6 +138,18 @@ def check_class_label(class_label, num_classes):
         raise ValueError(f"class {class_label} asked of an unconditional model (trained without --num_classes)")
     if not 0 <= class_label < num_classes:
         raise ValueError(f"class {class_label} is outside the model's classes 0..{num_classes - 1}")
+
+
+@contextlib.contextmanager
+def sampling_networks(model, guidance=None):
+    """``(network, guidance)``: ``model`` and the guide as sampling calls them (a UNet as
+    ``NativeModel.for_sampling``, in eval mode), built once for the block and closed after it. A command that samples
+    batch after batch opens them around its loop and gives them to ``generate_images``, which uses them as they are."""
+    with contextlib.ExitStack() as stack:
+        network = _network(model, stack)
+        if guidance is not None:
+            guidance = dataclasses.replace(guidance, model=_network(guidance.model, stack))
+        yield network, guidance
 
 
 def _network(model, stack):

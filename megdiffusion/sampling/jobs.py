@@ -16,7 +16,7 @@ from megdiffusion.progress import progress_bar
 
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.files.disk import output_directory, save_npz, write_text
-from megdiffusion.diffusion.generation import Autoguidance, check_class_label, generate_images
+from megdiffusion.diffusion.generation import Autoguidance, check_class_label, generate_images, sampling_networks
 from megdiffusion.files.images import make_grid, read_image, save_png
 from megdiffusion.sampling.model import load
 from megdiffusion.training import checkpoint, distributed
@@ -202,10 +202,12 @@ def sample_to_directory(model, diffusion, image_shape, output, num_images, seed,
     todo = missing_indices(output, num_images, rank, world_size)
     bar = progress_bar(total=len(todo), unit="img", desc=f"sampling ({sampler})",
                        disable=not (progress and todo and rank == 0))
-    with bar:
+    if not todo:
+        return 0
+    with bar, sampling_networks(model, guidance) as (network, guidance):  # the workers start once, not per batch
         for start in range(0, len(todo), batch_size):
             chunk = todo[start:start + batch_size]
-            images = generate_images(model, diffusion, image_shape, chunk, seed, sampler, steps, eta,
+            images = generate_images(network, diffusion, image_shape, chunk, seed, sampler, steps, eta,
                                      batch_size, progress=bar, respacing=respacing, guidance=guidance,
                                      class_label=class_label, spacing=spacing, order=order)
             for index, image in zip(chunk, images):
