@@ -367,8 +367,17 @@ CASES = [
     # a run continued without its flagfile: the command line may not change what decides the weights
     ("resume-changing-the-weights", "train", ["--logdir=run", "--resume", "--total_steps=3", "--lr=0.1",
                                               "--model_channels=64", "--save_every=1"],
-     "--resume continues the run of run/checkpoints/ckpt_0000002.pkl as it was trained, and --lr, --model_channels "
-     "would change it; drop them, or start a new --logdir"),
+     "run/checkpoints/ckpt_0000002.pkl was trained with different model_channels (--model_channels=32); use those "
+     "flags"),
+    ("56:resume-changing-the-lr", "train", ["--logdir=run", "--resume", "--total_steps=3", "--lr=0.1"],
+     "run/checkpoints/ckpt_0000002.pkl was trained with different lr (--lr=0.0002), and exact resume keeps them; use "
+     "those flags, or give --allow_changes to continue the run with the new ones"),
+    ("56:resume-changing-batch-and-seed-by-flagfile", "train", ["--flagfile=run/flags.cfg", "--logdir=run", "--resume",
+                                                                 "--batch_size=2", "--seed=5"],
+     "was trained with different batch_size, seed (--batch_size=8 --seed=0), and exact resume keeps them"),
+    ("56:resume-changing-the-network-even-when-allowed", "train", ["--logdir=run", "--resume", "--allow_changes",
+                                                                   "--num_res_blocks=2"],
+     "was trained with different num_res_blocks (--num_res_blocks=1); use those flags"),
     ("data-workers-negative", "train", [*TRAIN, "--data_workers=-1"], "--data_workers must be >= 0 and <= 64, got -1"),
     ("47:folder-of-a-size-without-recipe", "train", ["--dataset=folder", "--data_path=images", "--image_size=48"],
      "no recipe for 48x48 without a --flagfile"),

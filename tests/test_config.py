@@ -212,3 +212,29 @@ def test_help_with_a_flagfile_shows_the_flagfiles_values(tmp_path):
     help_text = " ".join(result.stdout.split())
     assert "--batch_size: Global batch size" in help_text and "(default: '77')" in help_text
     assert "(default: 'cifar10')" in help_text
+
+
+def test_every_field_has_one_role_and_the_lists_follow_from_them():
+    """Each config field declares its role; the lists other modules keep are queries of them, and they are the sets
+    the checks were written for (a field given the wrong role would change what resume or guidance compares)."""
+    from megdiffusion.training import checkpoint, config, recipes
+
+    by_role = {role: set(config.names(role=role)) for role in config.ROLES}
+    assert sum(len(members) for members in by_role.values()) == len(dataclasses.fields(TrainConfig))
+    assert set().union(*by_role.values()) == {f.name for f in dataclasses.fields(TrainConfig)}
+    assert by_role[config.STEP] == {"microbatch", "amp", "trace"}
+    assert by_role[config.TRAINING] == {"random_flip", "dropout", "lr", "warmup_steps", "batch_size", "grad_clip",
+                                        "ema_decay", "ema_warmup", "seed"}
+    assert by_role[config.MATHS] == {"num_timesteps", "beta_schedule", "mean_type", "var_type", "loss_type",
+                                     "min_snr_gamma", "input_perturbation", "class_dropout"}
+    assert set(checkpoint.NETWORK_FIELDS) == by_role[config.NETWORK] == {
+        "image_size", "image_channels", "model_channels", "channel_mult", "num_res_blocks", "attention_resolutions",
+        "norm_groups", "norm_eps", "downsample_padding", "time_embedding", "use_scale_shift_norm", "num_heads",
+        "num_head_channels", "rescale_timesteps", "num_classes"}
+    assert set(checkpoint.GUIDE_FIELDS) == {"image_size", "image_channels", "rescale_timesteps", "num_timesteps",
+                                            "beta_schedule", "mean_type", "var_type", "num_classes"}
+    assert set(recipes.NETWORK_FLAGS) == {"model_channels", "channel_mult", "attention_resolutions", "num_res_blocks"}
+    assert set(config.refused_on_resume()) == by_role[config.NETWORK] | by_role[config.MATHS] | by_role[config.TRAINING]
+    assert set(config.refused_on_resume(allow_changes=True)) == by_role[config.NETWORK] | by_role[config.MATHS]
+    with pytest.raises(TypeError):
+        config._flag(0, "a field without a role")

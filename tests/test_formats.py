@@ -27,7 +27,8 @@ from megdiffusion.files import torch_archive  # noqa: E402
 from megdiffusion.formats import convert, diffusers, names, networks  # noqa: E402
 from megdiffusion.formats.published import PUBLISHED  # noqa: E402
 from megdiffusion.training import checkpoint as ckpt  # noqa: E402
-from megdiffusion.training.config import TrainConfig, as_flag, build_model  # noqa: E402
+from megdiffusion.training.config import MATHS, NETWORK, TrainConfig, as_flag, build_model  # noqa: E402
+from megdiffusion.training.config import names as config_fields  # noqa: E402
 from megdiffusion.scripts.cli import config_from_flagfile  # noqa: E402
 from megdiffusion.training.trainer import TrainingRun  # noqa: E402
 
@@ -350,7 +351,7 @@ def test_improved_diffusions_published_cifar10_network_is_the_iddpm_recipe(tmp_p
                                      data_path=str(tmp_path / "data.npz"))
     source = _iddpm_source(recipe)
     cfg = convert.describe(source)  # no flags: the published network says what the file does not
-    for name in ckpt.RECIPE_FIELDS + ("dropout",):
+    for name in config_fields(role=(NETWORK, MATHS)) + ("dropout",):
         assert getattr(cfg, name) == getattr(recipe, name), name
     targets = _parameter_shapes_of(cfg)
     pairs = names.mapping("improved_diffusion", {n: a.shape for n, a in source.tensors.items()}, targets,

@@ -216,3 +216,26 @@ def test_two_trainings_on_one_logdir_the_second_is_refused(tiny_model_flags, tmp
     assert first.returncode == 130, stderr
     steps = [json.loads(line)["step"] for line in (logdir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1))  # one run's steps, not two interleaved
+
+
+def test_allow_changes_continues_with_new_training_settings_and_step_settings_change_freely(tiny_model_flags,
+                                                                                             tmp_path, npz_data):
+    """The resume rule by role: a changed --lr continues only with --allow_changes (one note naming it, the new lr
+    in the continued run's config); --microbatch (the step's role) changes without it; the network never."""
+    run = tmp_path / "run"
+    common = ["--dataset=npz", f"--data_path={npz_data}", *tiny_model_flags, "--batch_size=8", "--sample_every=0"]
+    assert train(*common, "--total_steps=1", f"--logdir={run}").returncode == 0
+    refused = train(f"--logdir={run}", "--resume", "--total_steps=2", "--lr=0.001")
+    assert refused.returncode == 2 and "--allow_changes" in refused.stderr
+    assert len(list_checkpoints(str(run))) == 1
+    allowed = train(f"--logdir={run}", "--resume", "--total_steps=2", "--lr=0.001", "--allow_changes",
+                    "--microbatch=4")
+    assert allowed.returncode == 0, allowed.stderr
+    notes = [line for line in allowed.stderr.splitlines() if line.startswith("note: --allow_changes")]
+    assert notes == ["note: --allow_changes: the run continues with --lr=0.001 (was --lr=0.002), so it no longer "
+                     "equals an unbroken run"]
+    continued = load_checkpoint(list_checkpoints(str(run))[-1])
+    assert continued["step"] == 2 and continued["config"]["lr"] == 0.001 and continued["config"]["microbatch"] == 4
+    stepped = train(f"--logdir={run}", "--resume", "--total_steps=3", "--microbatch=2")
+    assert stepped.returncode == 0, stepped.stderr
+    assert "note: --allow_changes" not in stepped.stderr

@@ -2,7 +2,6 @@
 files too), exit code 1 for a failure of MegEngine itself, 130 for Ctrl-C and 143 for SIGTERM; flag parsing, with
 every flagfile read once, the command line winning over it, and every number held to its flag's bounds."""
 import contextlib
-import functools
 import math
 import os
 import signal
@@ -82,12 +81,11 @@ def one_line_errors():
 
 def run_command(main, first=None):
     """Run a script's ``main`` under absl with ``parse_flags``: SIGTERM raises ``Terminated``, and an interrupt
-    anywhere ends the command in one line (exit 130 or 143). ``first``: called before the flags are parsed; it
-    returns keyword arguments for ``main``."""
+    anywhere ends the command in one line (exit 130 or 143). ``first``: called before the flags are parsed."""
     signal.signal(signal.SIGTERM, _raise_terminated)
     with one_line_errors():
         if first is not None:
-            main = functools.partial(main, **first())
+            first()
         app.run(main, flags_parser=parse_flags)
 
 

@@ -5,8 +5,8 @@ Without a ``--flagfile`` a recipe that fits the data is read first (``training.r
 megdiffusion.scripts.train`` trains something on a laptop; for one's own images (a folder, an npz, a prepared file)
 configs/own32.cfg or own64.cfg by their size; CIFAR-10's paper recipe for CIFAR-10. Flags given on the command line
 override it, and ``--help`` shows its values as the defaults. ``--resume --logdir RUN`` without a flagfile continues
-RUN's run as its newest checkpoint holds it; the command line may then set only what does not change the weights
-(``recipes.RESUME_SETTINGS``: the steps, time limit, outputs and their cadence, the machine, the data's path).
+RUN's run as its newest checkpoint holds it; with or without a flagfile, a resumed run may not change its network or
+maths, nor its training settings unless ``--allow_changes`` (each field's role: ``config.RESUME_REFUSES``).
 ``--num_gpus N`` trains on N GPUs with the same recipe.
 Bad flags or data: one line on stderr, exit code 2, nothing written.
 """
@@ -17,10 +17,10 @@ from absl import flags
 from megdiffusion import environment
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.scripts import cli
-from megdiffusion.scripts.cli import (UsageError, check_flags_matter, given_on_command_line, megengine_failures,
+from megdiffusion.scripts.cli import (check_flags_matter, megengine_failures,
                                       one_line_errors, parse_into, reject_arguments)
 from megdiffusion.training import config, recipes
-from megdiffusion.training.config import as_flag, define_flags, to_flagfile
+from megdiffusion.training.config import define_flags, to_flagfile
 
 FLAGS = flags.FLAGS
 define_flags(FLAGS)
@@ -35,9 +35,8 @@ FLAG_NEEDS = {"sample_sampler": _SAMPLING, "sample_steps": _SAMPLING, "sample_sp
               "fid_num_images": _FID, "fid_metrics": _FID, "master_ip": _MACHINES, "rank_start": _MACHINES}
 
 
-def main(argv, resumed=None):
-    """Train the config the flags give; ``resumed``: ``(cfg, path)`` of the checkpoint a run without a flagfile
-    continues (``recipes.resumed_config``)."""
+def main(argv):
+    """Train the config the flags give."""
     reject_arguments(argv)
     quiet_megengine()
     from megdiffusion.training.config import config_from_flags
@@ -45,28 +44,16 @@ def main(argv, resumed=None):
 
     with one_line_errors():
         check_flags_matter(FLAGS, FLAG_NEEDS)
-        if resumed is not None:
-            check_resume_flags(*resumed)
         cfg, images = config_from_flags(FLAGS)
         with megengine_failures("continue with the same command and --resume"):
             train(cfg, images)
 
 
-def check_resume_flags(stored, path):
-    """``UsageError`` naming the flags on the command line that change a run continued from checkpoint ``path``
-    (config ``stored``) beyond ``recipes.RESUME_SETTINGS``."""
-    changed = [f"--{name}" for name in sorted(given_on_command_line(FLAGS)) if name not in recipes.RESUME_SETTINGS
-               and as_flag(name, FLAGS[name].value) != as_flag(name, getattr(stored, name))]
-    if changed:
-        raise UsageError(f"--resume continues the run of {path} as it was trained, and {', '.join(changed)} would "
-                         "change it; drop them, or start a new --logdir (--init_from takes that run's weights)")
-
-
 def read_recipe(argv):
     """Without --flagfile: make the recipe a command line ``argv`` reads first (``recipes``) the flags' defaults, so
-    that --help shows them and the command line overrides them; ``(cfg, path)`` of a continued run, else None."""
+    that --help shows them and the command line overrides them."""
     if any(arg.startswith(cli.FLAGFILE_FLAGS) for arg in argv[1:]):
-        return None
+        return
     resumed = recipes.resumed_config(argv[1:])
     if resumed is not None:
         source, args = f"the config of {resumed[1]}", to_flagfile(resumed[0]).splitlines()
@@ -80,13 +67,12 @@ def read_recipe(argv):
         if recipe[name].present:
             FLAGS.set_default(name, recipe[name].value)
     sys.modules["__main__"].__doc__ = f"{__doc__}\nThis command line reads {source} first: the defaults below.\n"
-    return resumed
 
 
 def _read_recipe_first():
     environment.check()  # before MegEngine reads its own variables, which it could crash on
     quiet_megengine()  # before a continued run's checkpoint is read
-    return {"resumed": read_recipe(sys.argv)}
+    read_recipe(sys.argv)
 
 
 def run():

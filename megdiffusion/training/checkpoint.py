@@ -31,22 +31,18 @@ import numpy as np
 from megdiffusion.errors import MegdiffusionError, one_line
 from megdiffusion.files.disk import atomic_write
 from megdiffusion.files.torch_archive import WeightsError, load_array_pickle
+from megdiffusion.training.config import (NETWORK, TRAINING, ConfigError, TrainConfig, as_flag, names, output_channels,
+                                          refused_on_resume, validate)
 from megdiffusion.training.draws import SCHEMES
 
 CHECKPOINT_DIR = "checkpoints"
 REQUIRED_KEYS = ("step", "config", "model", "ema", "optimizer", "loader")
 # Config fields that define the network: weights fit (and compute the same function) only where these agree.
 # (The output channels follow var_type: ``load_init`` compares them too.)
-NETWORK_FIELDS = ("image_size", "image_channels", "model_channels", "channel_mult", "num_res_blocks",
-                  "attention_resolutions", "norm_groups", "norm_eps", "downsample_padding", "time_embedding",
-                  "use_scale_shift_norm", "num_heads", "num_head_channels", "rescale_timesteps", "num_classes")
-# Config fields a resumed run must share with its checkpoint (the network and the maths).
-RECIPE_FIELDS = NETWORK_FIELDS + ("num_timesteps", "beta_schedule", "mean_type", "var_type", "loss_type",
-                                  "min_snr_gamma", "input_perturbation", "class_dropout")
+NETWORK_FIELDS = names(role=NETWORK)
 # Config fields a guiding model (``sampling.load_guidance``) must share with the sampled one: what the network sees
 # and what it predicts.
-GUIDE_FIELDS = ("image_size", "image_channels", "rescale_timesteps", "num_timesteps", "beta_schedule", "mean_type",
-                "var_type", "num_classes")
+GUIDE_FIELDS = names(guide=True)
 _NAME = re.compile(r"^ckpt_(\d+)\.pkl$")
 
 
@@ -140,7 +136,6 @@ def load_file_or_newest(path):
 def config_of(state, path):
     """The ``TrainConfig`` stored in checkpoint dict ``state`` (read from ``path``), validated like flags;
     ``CheckpointError`` when it is unusable."""
-    from megdiffusion.training.config import ConfigError, TrainConfig, validate
 
     try:
         if not isinstance(state["config"], dict):
@@ -177,8 +172,6 @@ def load_weights(module, weights, path):
 
 def differences(stored, cfg, names):
     """``{name: "--name=<stored value>"}`` for each of ``names`` where config ``stored`` differs from ``cfg``."""
-    from megdiffusion.training.config import as_flag
-
     return {name: as_flag(name, getattr(stored, name)) for name in names
             if getattr(stored, name) != getattr(cfg, name)}
 
@@ -202,7 +195,6 @@ def weights_snapshot(cfg, weights, source):
 def load_init(cfg):
     """The checkpoint ``cfg.init_from`` names (a file or a logdir's newest), checked to hold ``cfg``'s network:
     ``(state, path)``."""
-    from megdiffusion.training.config import as_flag, output_channels
 
     state, path = load_file_or_newest(cfg.init_from)
     stored = config_of(state, path)
@@ -234,17 +226,25 @@ def check_channels(stored, cfg, source, remedy):
 
 def check_recipe(state, path, cfg):
     """``CheckpointError`` unless checkpoint dict ``state`` (read from ``path``) can continue a run of ``cfg``:
-    it holds an optimizer and data position, and was trained with the same ``RECIPE_FIELDS``."""
+    it holds an optimizer and data position, and was trained with the same network, maths and, unless
+    ``cfg.allow_changes``, training settings (``config.RESUME_REFUSES``); returns ``differences`` of the training
+    settings ``--allow_changes`` lets change."""
     if state["optimizer"] is None:
         raise CheckpointError(f"{path} holds weights only (no optimizer or data position); start a run from it "
                               "with --init_from")
     stored = config_of(state, path)
     check_channels(stored, cfg, path, "resume on the run's data, or start a new --logdir")
-    changed = differences(stored, cfg, RECIPE_FIELDS)
-    if changed:
-        raise CheckpointError(f"{path} was trained with different {', '.join(changed)} "
-                              f"({' '.join(changed.values())}); use those flags, the run's flags.cfg or another "
+    recipe = differences(stored, cfg, refused_on_resume(allow_changes=True))
+    if recipe:
+        raise CheckpointError(f"{path} was trained with different {', '.join(recipe)} "
+                              f"({' '.join(recipe.values())}); use those flags, the run's flags.cfg or another "
                               "--logdir")
+    training = differences(stored, cfg, names(role=TRAINING))
+    if training and not cfg.allow_changes:
+        raise CheckpointError(f"{path} was trained with different {', '.join(training)} "
+                              f"({' '.join(training.values())}), and exact resume keeps them; use those flags, or "
+                              "give --allow_changes to continue the run with the new ones")
+    return training
 
 
 def check_data(state, path, data):

@@ -39,11 +39,43 @@ class ConfigError(MegdiffusionError):
     """A bad flag or flag combination; the message is one line saying what to change."""
 
 
-def _flag(default, help_text, **metadata):
-    """A config field: ``choices`` (allowed values), bounds ``min``/``max`` (inclusive) and ``above``/``below``
-    (exclusive), ``flag=False`` for a field that is not a command-line flag, ``absent``: the value a stored
-    config (``from_dict``) that lacks the field stands for, when that is not the default."""
-    return field(default=default, metadata={"help": help_text, **metadata})
+# A field's role: what it decides, and so what a run continued with --resume may change (``RESUME_REFUSES``).
+NETWORK = "network"  # the network's function: weights fit only where these agree (``checkpoint.NETWORK_FIELDS``)
+MATHS = "maths"  # the diffusion and the loss: with the network, the recipe a checkpoint continues
+TRAINING = "training"  # the data stream and the update: a change breaks exact resume, so it must be asked for
+STEP = "step"  # how one update is computed (micro-batches, float16, a traced graph): its maths are the same
+RUN = "run"  # where a run stops, what it writes and when, the machine, where its data lies
+ROLES = (NETWORK, MATHS, TRAINING, STEP, RUN)
+# What --resume refuses to change, by role.
+ALWAYS, UNLESS_ASKED, NEVER = "always", "unless --allow_changes", "never"
+RESUME_REFUSES = {NETWORK: ALWAYS, MATHS: ALWAYS, TRAINING: UNLESS_ASKED, STEP: NEVER, RUN: NEVER}
+
+
+def _flag(default, help_text, *, role, **metadata):
+    """A config field of ``role`` (one of ``ROLES``): ``choices`` (allowed values), bounds ``min``/``max``
+    (inclusive) and ``above``/``below`` (exclusive), ``flag=False`` for a field that is not a command-line flag,
+    ``absent``: the value a stored config (``from_dict``) that lacks the field stands for, when that is not the
+    default; ``guide=True``: a guiding model must share it (what the network sees and predicts);
+    ``width_depth=True``: it sizes the network, so a command line giving it composes its own recipe;
+    ``megengine_only=True``: it runs on MegEngine's kernels alone (``engine.check_step_options``)."""
+    if role not in ROLES:
+        raise ValueError(f"role {role!r} is not one of {ROLES}")
+    return field(default=default, metadata={"help": help_text, "role": role, **metadata})
+
+
+def names(role=None, **metadata):
+    """The config fields, in their order, of ``role`` (one or a tuple of ``ROLES``) whose metadata holds
+    ``metadata`` (e.g. ``guide=True``)."""
+    roles = (role,) if isinstance(role, str) else role
+    return tuple(f.name for f in fields(TrainConfig) if (roles is None or f.metadata["role"] in roles)
+                 and all(f.metadata.get(key) == value for key, value in metadata.items()))
+
+
+def refused_on_resume(allow_changes=False):
+    """The fields a resumed run may not change (``RESUME_REFUSES``)."""
+    refused = [role for role, rule in RESUME_REFUSES.items()
+               if rule == ALWAYS or (rule == UNLESS_ASKED and not allow_changes)]
+    return names(role=tuple(refused))
 
 
 @dataclass
@@ -56,118 +88,137 @@ class TrainConfig:
                          "python batches, a folder of images (read as the steps need them; with --num_classes, its "
                          "first-level subfolders are the classes), an npz of uint8 NHWC images, or a file made by "
                          "megdiffusion.scripts.prepare (read image by image; a --data_path to such a file is "
-                         "recognised whatever --dataset says).", choices=DATASETS)
-    data_path: Optional[str] = _flag(None, "Dataset location (directory or file); embedded data if unset.")
+                         "recognised whatever --dataset says).", choices=DATASETS, role=RUN)
+    data_path: Optional[str] = _flag(None, "Dataset location (directory or file); embedded data if unset.", role=RUN)
     image_size: Optional[int] = _flag(None, "Image size; unset = the dataset's size (required for folder).", min=1,
-                                      max=4096)
-    random_flip: bool = _flag(True, "Random horizontal flips of training images.")
-    image_channels: int = _flag(3, "Read from the dataset (1 gray, 3 RGB); not a flag.", flag=False)
+                                      max=4096, role=NETWORK, guide=True)
+    random_flip: bool = _flag(True, "Random horizontal flips of training images.", role=TRAINING)
+    image_channels: int = _flag(3, "Read from the dataset (1 gray, 3 RGB); not a flag.", flag=False,
+                                role=NETWORK, guide=True)
     # Model (improved-diffusion's names)
-    model_channels: int = _flag(128, "UNet base channel count.", min=1, max=8192)
-    channel_mult: Tuple[int, ...] = _flag((1, 2, 2, 2), "Channel multiplier per resolution level.")
-    num_res_blocks: int = _flag(2, "Residual blocks per resolution level.", min=1, max=64)
-    attention_resolutions: Tuple[int, ...] = _flag((16,), "Resolutions (pixels) with self-attention.")
-    dropout: float = _flag(0.1, "Dropout rate in the residual blocks.", min=0, below=1)
-    norm_groups: int = _flag(NORM_GROUPS, "GroupNorm groups (Ho: 32); small models need fewer, see the CPU recipe.")
-    norm_eps: float = _flag(NORM_EPS, "GroupNorm epsilon (Ho: 1e-6; pytorch-ddpm: 1e-5).", above=0)
+    model_channels: int = _flag(128, "UNet base channel count.", min=1, max=8192, role=NETWORK, width_depth=True)
+    channel_mult: Tuple[int, ...] = _flag((1, 2, 2, 2), "Channel multiplier per resolution level.",
+                                          role=NETWORK, width_depth=True)
+    num_res_blocks: int = _flag(2, "Residual blocks per resolution level.", min=1, max=64,
+                                role=NETWORK, width_depth=True)
+    attention_resolutions: Tuple[int, ...] = _flag((16,), "Resolutions (pixels) with self-attention.",
+                                                   role=NETWORK, width_depth=True)
+    dropout: float = _flag(0.1, "Dropout rate in the residual blocks.", min=0, below=1, role=TRAINING)
+    norm_groups: int = _flag(NORM_GROUPS, "GroupNorm groups (Ho: 32); small models need fewer, see the CPU recipe.",
+                             role=NETWORK)
+    norm_eps: float = _flag(NORM_EPS, "GroupNorm epsilon (Ho: 1e-6; pytorch-ddpm: 1e-5).", above=0, role=NETWORK)
     downsample_padding: str = _flag(DOWNSAMPLE_PADDING, "Padding of the stride-2 downsample convolution: one row and "
                                     "column at the bottom and right (Ho's TF 'SAME') or one on every side "
                                     "(pytorch-ddpm; checkpoints written before this flag).",
-                                    choices=DOWNSAMPLE_PADDINGS, absent="symmetric")
+                                    choices=DOWNSAMPLE_PADDINGS, absent="symmetric", role=NETWORK)
     time_embedding: str = _flag(TIME_EMBEDDING, "Timestep sinusoid: Ho's [sin | cos], pytorch-ddpm's interleaved "
-                                "table, or improved-diffusion's [cos | sin].", choices=TIME_EMBEDDINGS)
+                                "table, or improved-diffusion's [cos | sin].", choices=TIME_EMBEDDINGS, role=NETWORK)
     use_scale_shift_norm: bool = _flag(False, "Residual blocks apply the time embedding as a scale and shift of the "
-                                       "second GroupNorm (improved-diffusion's AdaGN) instead of adding it.")
-    num_heads: int = _flag(1, "Heads of every attention block (Ho: 1; improved-diffusion: 4).", min=1, max=1024)
+                                       "second GroupNorm (improved-diffusion's AdaGN) instead of adding it.",
+                                       role=NETWORK)
+    num_heads: int = _flag(1, "Heads of every attention block (Ho: 1; improved-diffusion: 4).", min=1, max=1024,
+                           role=NETWORK)
     num_head_channels: int = _flag(0, "Channels per attention head, the head count following the width; 0: use "
-                                   "--num_heads.", min=0)
+                                   "--num_heads.", min=0, role=NETWORK)
     num_classes: int = _flag(0, "Class-conditional training on the dataset's labels with this many classes "
                              "(improved-diffusion's class_cond; Fashion-MNIST and CIFAR-10: 10); sampling then "
-                             "gives image i the class i mod num_classes. 0: unconditional.", min=0, max=100000)
+                             "gives image i the class i mod num_classes. 0: unconditional.", min=0, max=100000,
+                             role=NETWORK, guide=True)
     class_dropout: float = _flag(0.0, "Share of a class-conditional run's training images whose label is dropped "
                                  "(the network sees no class), so that the same network also predicts "
                                  "unconditionally: classifier-free guidance (Ho & Salimans 2022: 0.1-0.2).",
-                                 min=0, below=1)
+                                 min=0, below=1, role=MATHS)
     # Diffusion
-    num_timesteps: int = _flag(1000, "Number of diffusion steps T.", min=2, max=100000)
-    beta_schedule: str = _flag("linear", "Beta schedule.", choices=SCHEDULES)
+    num_timesteps: int = _flag(1000, "Number of diffusion steps T.", min=2, max=100000, role=MATHS, guide=True)
+    beta_schedule: str = _flag("linear", "Beta schedule.", choices=SCHEDULES, role=MATHS, guide=True)
     mean_type: str = _flag("eps", "What the network predicts: the noise, x_0, the mean of x_{t-1}, or v "
                            "(sqrt(alpha_bar) noise - sqrt(1 - alpha_bar) x_0, Salimans & Ho 2022).",
-                           choices=MEAN_TYPES)
+                           choices=MEAN_TYPES, role=MATHS, guide=True)
     var_type: str = _flag("fixedlarge", "Reverse-process variance: beta_t, the posterior variance, or learned by the "
                           "network (twice the output channels): interpolated between the two in the log domain "
-                          "(improved-diffusion's learned_range) or the log variance itself.", choices=VAR_TYPES)
+                          "(improved-diffusion's learned_range) or the log variance itself.", choices=VAR_TYPES,
+                          role=MATHS, guide=True)
     loss_type: str = _flag("mse", "mse: L_simple (for a learned variance plus the unweighted vb term); hybrid: "
                            "L_simple + vb * T / 1000 (L_simple + 0.001 L_vlb; needs a learned --var_type).",
-                           choices=LOSS_TYPES)
+                           choices=LOSS_TYPES, role=MATHS)
     min_snr_gamma: float = _flag(0.0, "0: Ho's L_simple; above 0, Min-SNR-gamma weighting of each timestep's mse "
                                  "(min(SNR_t, gamma) / SNR_t for eps prediction, min(SNR_t, gamma) for xstart, "
                                  "min(SNR_t, gamma) / (SNR_t + 1) for v; "
-                                 "Hang et al. 2023 use 5).", min=0)
+                                 "Hang et al. 2023 use 5).", min=0, role=MATHS)
     input_perturbation: float = _flag(0.0, "Input perturbation (DDPM-IP, Ning et al. 2023): x_t is made from the "
                                       "noise plus this times a second standard-normal draw, the target from the "
                                       "noise alone, so that training sees inputs as off as sampling's; 0: off "
-                                      "(the paper: 0.1).", min=0)
+                                      "(the paper: 0.1).", min=0, role=MATHS)
     rescale_timesteps: bool = _flag(False, "The network sees t * 1000 / T (fractional) instead of t, as "
-                                    "improved-diffusion's models do.")
+                                    "improved-diffusion's models do.", role=NETWORK, guide=True)
     # Optimisation
-    lr: float = _flag(2e-4, "Adam learning rate after warmup.", above=0)
+    lr: float = _flag(2e-4, "Adam learning rate after warmup.", above=0, role=TRAINING)
     warmup_steps: int = _flag(5000, "Steps of linear learning-rate warmup: step n (from 0) "
-                              "uses --lr * (n + 1) / warmup_steps; 0: the full rate from the first step.", min=0)
-    batch_size: int = _flag(128, "Global batch size, split evenly across all ranks.", min=1, max=2 ** 20)
-    total_steps: int = _flag(800000, "Number of optimizer steps.", min=1, max=10 ** 9)
-    grad_clip: float = _flag(1.0, "Clip the global gradient norm to this value; 0 disables.", min=0)
-    ema_decay: float = _flag(0.9999, "Decay of the exponential moving average of the weights.", min=0, below=1)
+                              "uses --lr * (n + 1) / warmup_steps; 0: the full rate from the first step.", min=0,
+                              role=TRAINING)
+    batch_size: int = _flag(128, "Global batch size, split evenly across all ranks.", min=1, max=2 ** 20, role=TRAINING)
+    total_steps: int = _flag(800000, "Number of optimizer steps.", min=1, max=10 ** 9, role=RUN)
+    grad_clip: float = _flag(1.0, "Clip the global gradient norm to this value; 0 disables.", min=0, role=TRAINING)
+    ema_decay: float = _flag(0.9999, "Decay of the exponential moving average of the weights.", min=0, below=1,
+                             role=TRAINING)
     ema_warmup: bool = _flag(False, "Warm the EMA up: update n (from 0) decays by min(--ema_decay, "
-                             "(1 + n) / (10 + n)), so the early average is not mostly the random initial weights.")
+                             "(1 + n) / (10 + n)), so the early average is not mostly the random initial weights.",
+                             role=TRAINING)
     seed: int = _flag(0, "Seed of every random choice (data order, flips, timesteps, noise, dropout).", min=0,
-                      max=2 ** 64 - 1)  # MegEngine's seeds are 64-bit
+                      max=2 ** 64 - 1, role=TRAINING)  # MegEngine's seeds are 64-bit
     # The step (how the update is computed: not part of the recipe)
     microbatch: int = _flag(0, "Cut each device's batch into micro-batches of this many samples and sum their "
                             "gradients: one update per step, equal to the whole batch's up to float32 rounding, in "
                             "less memory (improved-diffusion's --microbatch). 0: the whole batch at once.", min=0,
-                            max=2 ** 20)
+                            max=2 ** 20, role=STEP)
     amp: bool = _flag(False, "Mixed precision on MegEngine's kernels (GPUs): the forward and the loss under "
                       "megengine.amp.autocast (float16 convolutions and linear layers), float32 weights, Adam and EMA, "
-                      "dynamic loss scaling that skips an update whose gradients overflow.")
+                      "dynamic loss scaling that skips an update whose gradients overflow.", role=STEP,
+                      megengine_only=True)
     trace: bool = _flag(False, "Run each micro-batch's forward and backward as one megengine.jit.trace(symbolic=True) "
-                        "graph on MegEngine's kernels (GPUs); needs --dropout 0.")
+                        "graph on MegEngine's kernels (GPUs); needs --dropout 0.", role=STEP, megengine_only=True)
     data_workers: int = _flag(1, "Processes that make the next steps' batches (reading and decoding images from disk) "
                               "and random draws while the current step runs; 0: in the training process. Any number "
-                              "gives the same batches.", min=0, max=64)
+                              "gives the same batches.", min=0, max=64, role=RUN)
     # Outputs
-    logdir: str = _flag("runs/train", "Directory for checkpoints, metrics, sample grids and flags.")
-    log_every: int = _flag(10, "Write metrics every this many steps.", min=1)
-    save_every: int = _flag(5000, "Save a checkpoint every this many steps (0: only at the end).", min=0)
-    keep_checkpoints: int = _flag(3, "How many of the newest checkpoints to keep.", min=1, max=1000)
-    sample_every: int = _flag(5000, "Save an EMA sample grid every this many steps (0: never).", min=0)
-    sample_num: int = _flag(64, "Images in each sample grid.", min=1, max=4096)
-    sample_sampler: str = _flag("ddim", "Sampler for the grids (and for --fid_every).", choices=SAMPLERS)
-    sample_steps: int = _flag(50, "Sampling steps for the grids (and for --fid_every), at most T.")
+    logdir: str = _flag("runs/train", "Directory for checkpoints, metrics, sample grids and flags.", role=RUN)
+    log_every: int = _flag(10, "Write metrics every this many steps.", min=1, role=RUN)
+    save_every: int = _flag(5000, "Save a checkpoint every this many steps (0: only at the end).", min=0, role=RUN)
+    keep_checkpoints: int = _flag(3, "How many of the newest checkpoints to keep.", min=1, max=1000, role=RUN)
+    sample_every: int = _flag(5000, "Save an EMA sample grid every this many steps (0: never).", min=0, role=RUN)
+    sample_num: int = _flag(64, "Images in each sample grid.", min=1, max=4096, role=RUN)
+    sample_sampler: str = _flag("ddim", "Sampler for the grids (and for --fid_every).", choices=SAMPLERS, role=RUN)
+    sample_steps: int = _flag(50, "Sampling steps for the grids (and for --fid_every), at most T.", role=RUN)
     sample_spacing: Optional[str] = _flag(None, "Where the grids' sampling steps lie (scripts.sample --spacing); "
-                                          "unset: the sampler's default.", choices=SPACINGS)
-    sample_order: Optional[int] = _flag(None, "The grids' solver order, for unipc (2 or 3); unset: its default.")
-    resume: bool = _flag(False, "Continue from the newest loadable checkpoint in logdir.")
+                                          "unset: the sampler's default.", choices=SPACINGS, role=RUN)
+    sample_order: Optional[int] = _flag(None, "The grids' solver order, for unipc (2 or 3); unset: its default.",
+                                        role=RUN)
+    resume: bool = _flag(False, "Continue from the newest loadable checkpoint in logdir.", role=RUN)
+    allow_changes: bool = _flag(False, "With --resume: continue with other training settings than the run's (flips, "
+                                "dropout, lr, warmup, batch size, clipping, EMA, seed); refused without it, since the "
+                                "run would no longer equal an unbroken one.", role=RUN)
     init_from: Optional[str] = _flag(None, "Start from the model and EMA weights of this checkpoint (a file, e.g. "
                                      "from scripts.convert, or a logdir's newest) with a new optimizer at step 0; "
-                                     "its network flags must match. A logdir with checkpoints resumes instead.")
+                                     "its network flags must match. A logdir with checkpoints resumes instead.",
+                                     role=RUN)
     time_limit_minutes: float = _flag(0.0, "Stop with a checkpoint after this many minutes of training in "
-                                      "this process (0: no limit); --resume continues later.", min=0)
+                                      "this process (0: no limit); --resume continues later.", min=0, role=RUN)
     fid_every: int = _flag(0, "Score the EMA model with FID every this many steps (0: never); samples with "
-                           "--sample_sampler/--sample_steps, reference stats cached in the logdir.", min=0)
+                           "--sample_sampler/--sample_steps, reference stats cached in the logdir.", min=0, role=RUN)
     fid_num_images: int = _flag(1000, "Samples per FID evaluation during training (a covariance needs 2).", min=2,
-                                max=2 ** 32)  # image i's seed is (seed << 32) + i: scripts.cli.MAX_IMAGES
+                                max=2 ** 32, role=RUN)  # image i's seed is (seed << 32) + i: scripts.cli.MAX_IMAGES
     fid_metrics: str = _flag("fid", "What --fid_every scores: fid, kid, pr (precision/recall) comma-separated, or all; "
-                             "KID and precision/recall keep the reference's features in fid_reference.npz.")
+                             "KID and precision/recall keep the reference's features in fid_reference.npz.", role=RUN)
     # Devices
-    device: str = _flag("auto", "auto: a GPU when MegEngine sees one.", choices=("auto", "cpu", "gpu"))
-    num_gpus: int = _flag(1, "GPUs on this machine; more than 1 launches one process per GPU.", min=1, max=1024)
+    device: str = _flag("auto", "auto: a GPU when MegEngine sees one.", choices=("auto", "cpu", "gpu"), role=RUN)
+    num_gpus: int = _flag(1, "GPUs on this machine; more than 1 launches one process per GPU.", min=1, max=1024,
+                          role=RUN)
     world_size: Optional[int] = _flag(None, "Total processes over all machines; unset = num_gpus.", min=1,
-                                      max=65536)
-    rank_start: int = _flag(0, "Rank of this machine's first process (multi-machine).", min=0)
-    master_ip: str = _flag("localhost", "Address of the machine running rank 0.")
+                                      max=65536, role=RUN)
+    rank_start: int = _flag(0, "Rank of this machine's first process (multi-machine).", min=0, role=RUN)
+    master_ip: str = _flag("localhost", "Address of the machine running rank 0.", role=RUN)
     port: int = _flag(0, "Port of the distributed server (0: pick a free one; set it for multi-machine).",
-                      min=0, max=65535)
+                      min=0, max=65535, role=RUN)
 
     @property
     def image_shape(self):

@@ -22,7 +22,7 @@ from megdiffusion.cpu.choice import cpu_engine_enabled
 from megdiffusion.cpu.flat_update import FlatUpdate
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.training import distributed
-from megdiffusion.training.config import ConfigError
+from megdiffusion.training.config import ConfigError, names
 
 mge = quiet_megengine()
 import megengine.functional as F  # noqa: E402
@@ -312,7 +312,7 @@ def check_step_options(cfg, engine=None):
     """``ConfigError`` (one line) for ``--amp`` or ``--trace`` with an ``engine`` (default: the CPU engine when it is
     chosen, ``cpu.choice``) that does not run MegEngine's kernels: the CPU engine computes outside MegEngine, in
     float32, eagerly."""
-    wanted = [flag for flag, on in (("--amp", cfg.amp), ("--trace", cfg.trace)) if on]
+    wanted = [f"--{name}" for name in names(megengine_only=True) if getattr(cfg, name)]
     on_megengine = engine == "megengine" if engine else not cpu_engine_enabled()
     if wanted and not on_megengine:
         raise ConfigError(f"{' and '.join(wanted)} run{'s' if len(wanted) == 1 else ''} on MegEngine's own kernels, "

@@ -5,22 +5,15 @@ import os
 from megdiffusion.data.prepared import is_prepared, read_record
 from megdiffusion.data.sources import IMAGE_EXTENSIONS
 from megdiffusion.training.checkpoint import config_of, load_latest
-from megdiffusion.training.config import CONFIGS, CPU_RECIPE, ConfigError
+from megdiffusion.training.config import CONFIGS, CPU_RECIPE, ConfigError, names
 
 # One's own images: the datasets whose recipe ``train`` picks by image size without a --flagfile.
 OWN_DATASETS = ("folder", "npz", "prepared")
 # The recipes it reads for them, by image size.
 OWN_DATA_RECIPES = {32: "own32.cfg", 64: "own64.cfg"}
-# Flags that describe the network: given without a --flagfile for images of another size, the user composes the
+# Flags that size the network: given without a --flagfile for images of another size, the user composes the
 # recipe (on the CPU recipe's training settings).
-NETWORK_FLAGS = ("model_channels", "channel_mult", "attention_resolutions", "num_res_blocks")
-# What a run continued without its flagfile (``resumed_config``) may set anew on the command line: where it stops, what
-# it writes and when, the machine and processes it runs on, and where its data lies (checked to be the same images).
-# Every other setting is its checkpoint's: they decide the weights, which exact resume continues bit for bit.
-RESUME_SETTINGS = ("resume", "logdir", "total_steps", "time_limit_minutes", "log_every", "save_every",
-                   "keep_checkpoints", "sample_every", "sample_num", "sample_sampler", "sample_steps", "sample_spacing",
-                   "sample_order", "fid_every", "fid_num_images", "fid_metrics", "data_workers", "data_path", "device",
-                   "num_gpus", "world_size", "rank_start", "master_ip", "port")
+NETWORK_FLAGS = names(width_depth=True)
 
 
 def resumed_config(argv):

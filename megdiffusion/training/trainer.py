@@ -8,6 +8,7 @@ import functools
 import math
 import os
 import signal
+import sys
 import time
 
 import numpy as np
@@ -20,7 +21,7 @@ from megdiffusion.files.disk import output_directory
 from megdiffusion.files.images import save_png
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
-from megdiffusion.training.config import ConfigError, TrainConfig, build_diffusion, build_model, validate
+from megdiffusion.training.config import ConfigError, TrainConfig, as_flag, build_diffusion, build_model, validate
 from megdiffusion.training.draws import PER_SAMPLE, draw_step, first_sample
 from megdiffusion.training.feed import StepFeed
 from megdiffusion.training.outputs import RUN_MARKER, RunLogger, grid_path, sample_grid, write_run_files
@@ -158,7 +159,11 @@ def check_logdir(cfg, images=None):
                                    "run or choose another --logdir")
     latest = ckpt.load_latest(cfg.logdir) if cfg.resume else None
     if latest is not None:
-        ckpt.check_recipe(*latest, cfg)
+        changed = ckpt.check_recipe(*latest, cfg)
+        if changed:
+            now = " ".join(as_flag(name, getattr(cfg, name)) for name in changed)
+            print(f"note: --allow_changes: the run continues with {now} (was {' '.join(changed.values())}), so it no "
+                  "longer equals an unbroken run", file=sys.stderr)
         if latest[0]["step"] > cfg.total_steps:
             raise ConfigError(f"--resume continues the run in {cfg.logdir}, which is at step {latest[0]['step']}, past "
                               f"--total_steps {cfg.total_steps}; give --total_steps above {latest[0]['step']} to train "
