@@ -358,8 +358,12 @@ def test_improved_diffusions_published_cifar10_network_is_the_iddpm_recipe(tmp_p
                             len(cfg.channel_mult), cfg.num_res_blocks)
     assert sorted(ours for _, ours in pairs) == sorted(targets)
     assert sum(int(np.prod(shape)) for shape in targets.values()) == 52_546_438
-    with pytest.raises(formats.ConvertError, match="a class-conditional model"):
-        convert.describe(_iddpm_source(recipe, {"label_emb.weight": (1000, 512)}))
+    conditional = _iddpm_source(recipe, {"label_emb.weight": (1000, 512)})  # improved-diffusion's class_cond
+    assert convert.describe(conditional).num_classes == 1000
+    targets = _parameter_shapes_of(convert.describe(conditional))
+    pairs = names.mapping("improved_diffusion", {n: a.shape for n, a in conditional.tensors.items()}, targets,
+                          len(cfg.channel_mult), cfg.num_res_blocks)
+    assert ("label_emb.weight", "class_emb.weight") in pairs and sorted(ours for _, ours in pairs) == sorted(targets)
     assert convert.describe(source, num_heads=2).num_heads == 2  # a flag beats the published value
 
 

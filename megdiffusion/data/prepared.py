@@ -4,7 +4,7 @@ Layout: ``MAGIC`` and two little-endian uint64 (the record's offset and length) 
 from byte ``DATA_OFFSET``, image after image; int32 class labels after them when the source has labels; the record
 (JSON: count, size, channels, classes, source, crop rule, checksum, skipped files) last. The file is written under a
 temporary name and renamed when whole (``files.disk.atomic_write``), so a killed or failed ``prepare`` leaves nothing
-that ``open_prepared`` accepts; a truncated or damaged file fails its size check.
+that ``read_record`` accepts; a truncated or damaged file fails its size check.
 
 Images are read with ``pread`` from a descriptor held open (``PreparedImages``), not through a memory map: the file's
 pages are page cache all the same (every process that trains on it shares them, none holds the dataset in its own

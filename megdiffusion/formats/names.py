@@ -108,7 +108,7 @@ LAYOUTS = {
         _iddpm_stage,
         dict(zip(_OURS_BLOCK, ("in_layers.0", "in_layers.2", "emb_layers.1", "out_layers.0", "out_layers.3",
                                "skip_connection"))),
-        dict(zip(_OURS_ATTN, ("norm", "qkv", "qkv", "qkv", "proj_out"))), fused_qkv=True),
+        dict(zip(_OURS_ATTN, ("norm", "qkv", "qkv", "qkv", "proj_out"))), fused_qkv=True, class_emb="label_emb"),
 }
 _QKV_PARTS = {"q": 0, "k": 1, "v": 2}
 

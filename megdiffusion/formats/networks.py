@@ -24,9 +24,8 @@ def _levels_from(channels_of, has_attn, num_levels, model_channels):
 
 def _iddpm_network(shapes):
     """``network_from_shapes`` for improved-diffusion: also use_scale_shift_norm (the time projection gives 2 * out
-    values), and var_type learned_range when the output has twice the input channels."""
-    if "label_emb.weight" in shapes:
-        raise ConvertError("a class-conditional model (label_emb.weight); megdiffusion's networks are unconditional")
+    values), var_type learned_range when the output has twice the input channels, and num_classes of a
+    class-conditional model (``label_emb``, added to the time embedding as ours is)."""
     first = _shape(shapes, "input_blocks.0.0.weight")
     starts, index = [1], 1  # the input_blocks index of each level's first residual block
     while any(name.startswith(f"input_blocks.{index}.") for name in shapes):
@@ -45,6 +44,8 @@ def _iddpm_network(shapes):
                            "and a variance")
     if outputs == 2 * first[1]:
         network["var_type"] = "learned_range"  # improved-diffusion's learn_sigma
+    if "label_emb.weight" in shapes:
+        network["num_classes"] = _shape(shapes, "label_emb.weight")[0]
     return network
 
 

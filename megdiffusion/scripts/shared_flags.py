@@ -8,10 +8,9 @@ from megdiffusion.diffusion.solvers import DEFAULT_SPACING, DEFAULT_STEPS, SPACI
 from megdiffusion.scripts.cli import define_float, define_integer
 from megdiffusion.training.config import field_bounds
 
-# The sampler to try first: on the demo's model FID 55.2 at 50 network calls per image (three seeds), against guided
-# DDPM-100's 53.8 at 200 calls; DDIM and the deterministic solvers score 80-84 there (docs/sampling.md,
-# benchmarks/README.md "FID against network calls"). Not the default: it needs its spacing and steps, and the
-# commands' defaults reproduce published figures (``ANCESTRAL_STEPS``).
+# The sampler to try first: on the demo's model it scores near guided DDPM-100 at a quarter of the network calls
+# (docs/sampling.md, benchmarks/README.md "FID against network calls"). Not the default: it needs its spacing and
+# steps, and the commands' defaults reproduce published figures (``ANCESTRAL_STEPS``).
 RECOMMENDED = "--sampler dpmpp_2m_sde --steps 25 --spacing logsnr"
 # ddpm's and ddim's steps without --steps in each command that samples (None: all T): the protocol of the figures it
 # reproduces, Ho et al.'s full chain, the FID figures' DDIM-50 (benchmarks/README.md) and the demo's DDPM-100.
