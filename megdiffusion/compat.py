@@ -42,8 +42,9 @@ _NOISE = re.compile(
 # erases and re-inserts the fetched tensor from the calling thread, under a lock the worker does not take.
 # While the worker is busy, the two threads edit the vector at once: wrong candidate indices ("insert_candidate:
 # got wrong candidate index", then "an input tensor is unusable due to previous error"), glibc heap aborts,
-# segfaults (benchmarks/megengine_candidate_race.py reproduces it with MegEngine alone). No tensor is that
-# large at this threshold, so the vector stays empty and nothing is shared. megdiffusion never enables DTR.
+# segfaults (benchmarks/megengine_candidate_race.py, in git's history, reproduces it with MegEngine alone). No
+# tensor is that large at this threshold, so the vector stays empty and nothing is shared. megdiffusion never
+# enables DTR.
 DTR_THRESHOLD_ENV = "MEGENGINE_DTR_EVICTEE_MINIMUM_SIZE"
 NO_DTR_CANDIDATES = 1 << 62  # bytes
 

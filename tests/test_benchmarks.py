@@ -113,36 +113,6 @@ def test_stress():
     assert lines[-1]["summary"] and lines[-1]["runs"] == 1 and lines[-1]["failed"] == 0
 
 
-@smoke("megengine_candidate_race.py")
-def test_megengine_candidate_race():
-    """The race itself may or may not strike in half a second: only what is reported is checked."""
-    lines = json_lines(run("megengine_candidate_race.py", "--runs", "1", "--seconds", "0.5").stdout)
-    assert set(lines[0]) >= {"rounds", "error", "run", "stderr"} and lines[0]["run"] == 0
-    assert lines[-1]["summary"] and lines[-1]["runs"] == 1 and lines[-1]["failed"] in (0, 1)
-
-
-@smoke("megengine_backward_race.py")
-def test_megengine_backward_race():
-    (line,) = json_lines(run("megengine_backward_race.py", "--steps", "3", "--async_level", "0", "--device",
-                             "cpu:default").stdout)
-    assert line["steps"] == 3 and line["device"].startswith("cpu") and line["distinct_results"] == 1
-
-
-@smoke("megengine_training_race.py")
-def test_megengine_training_race():
-    """Two runs of the same 3 steps on MegEngine's kernels end with the same weights."""
-    lines = [json_lines(run("megengine_training_race.py", "--steps", "3").stdout)[0] for _ in range(2)]
-    assert lines[0]["device"] == "cpux" and lines[0]["steps"] == 3
-    assert lines[0]["weights_sha256"] == lines[1]["weights_sha256"] and lines[0]["recomputed_steps"] == 0
-
-
-@smoke("megengine_float16_leak.py")
-def test_megengine_float16_leak():
-    """What MegEngine does is reported, not asserted (a MegEngine that stops leaking must not fail the suite)."""
-    (line,) = json_lines(run("megengine_float16_leak.py", "--device", "cpux").stdout)
-    assert line["device"] == "cpux" and {"tanh_max_change", "log_likelihood_max_change"} <= set(line)
-
-
 @smoke("vs_pytorch.py", "megdiffusion_side.py", "measurement.py")
 def test_vs_pytorch(tmp_path):
     """megdiffusion's side through its commands (``measurement.py`` times it); the whole comparison at its smallest
@@ -215,29 +185,6 @@ def test_fid_vs_calls(tmp_path, tiny_config, tiny_images):
     fid.save_statistics(run_dir / "reference" / "fashion_mnist_first1000.npz", fid.statistics_of_features(features))
     point = benchmark.measure(str(run_dir), "heun", "default", 6, True, num_images=2, batch_size=2)
     assert point["steps"] == 2 and point["train_step"] == 1 and np.isfinite(point["fid"])
-
-
-def test_data_scale_help_and_flags():
-    """benchmarks/data_scale.py without its run (it writes thousands of images and trains at 256x256: its smallest
-    run takes tens of seconds)."""
-    done = run("data_scale.py", "--help")
-    for flag in ("--sizes", "--quick", "--workdir", "--baseline", "--gpu_steps_per_s", "--data_workers"):
-        assert flag in done.stdout
-    benchmark = load("data_scale.py")
-    full = benchmark.parse_args([])
-    assert full.sizes == [10000, 40000, 126227] and full.baseline == 1000
-    quick = benchmark.parse_args(["--quick"])
-    assert quick.sizes == [300, 600] and quick.baseline == 300
-
-
-@smoke("data_scale.py")
-def test_data_scale_skips_the_old_code_where_its_array_would_not_fit(capsys):
-    benchmark = load("data_scale.py")
-    ram = 24 * 2 ** 30
-    assert benchmark.cannot_fit(10000, ram) is None  # 1.97 GB
-    line = benchmark.cannot_fit(126227, ram)
-    assert line["skipped"].startswith("cannot fit: 126,227 images x 196,608 bytes = 24.8 GB >")
-    assert '"skipped"' in capsys.readouterr().out  # printed as a JSON line
 
 
 @smoke("step_feed.py")

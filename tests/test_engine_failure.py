@@ -65,7 +65,8 @@ def test_training_failure_is_one_line_exit_1_and_resume_continues(tiny_model_fla
 
 
 def test_the_first_cause_is_found_behind_an_async_report():
-    # The chain MegEngine raised when its worker failed (texts as seen in benchmarks/megengine_candidate_race.py).
+    # The chain MegEngine raised when its worker failed (texts as seen in benchmarks/megengine_candidate_race.py, in
+    # git's history).
     worker = RuntimeError("assertion `ptr->cand_index == UINT_MAX' failed at /home/code/imperative/src/impl/"
                           "interpreter/interpreter_impl.cpp:1696: void mgb::ChannelImpl::insert_candidate(T*)\n"
                           "extra message: got wrong candidate index\n\nbacktrace:\n/lib/x.so(+0x1) [0x2]")

@@ -95,7 +95,8 @@ def test_amp_attention_does_not_overflow_where_float16_logits_would(engine_kerne
 @pytest.fixture
 def synchronous_engine():
     """MegEngine's interpreter synchronous (``async_level`` 0): on CPU its asynchronous backward now and then
-    returns wrong gradients, inf or NaN among them (benchmarks/megengine_backward_race.py, MegEngine alone)."""
+    returns wrong gradients, inf or NaN among them (benchmarks/megengine_backward_race.py in git's history,
+    MegEngine alone)."""
     previous = mge.config.async_level
     mge.config.async_level = 0
     yield
