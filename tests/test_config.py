@@ -238,3 +238,21 @@ def test_every_field_has_one_role_and_the_lists_follow_from_them():
     assert set(config.refused_on_resume(allow_changes=True)) == by_role[config.NETWORK] | by_role[config.MATHS]
     with pytest.raises(TypeError):
         config._flag(0, "a field without a role")
+
+
+def test_the_unet_is_built_from_one_config_object_of_the_network_fields():
+    """``UNetConfig`` holds the network role's fields (the channels named as the UNet sees them, and dropout, which
+    the network applies but training decides) except rescale_timesteps, which the diffusion applies; ``build_model``
+    fills it by name, so a network field the UNet does not take would fail here."""
+    from megdiffusion.nn.options import UNetConfig
+
+    unet_fields = {f.name for f in dataclasses.fields(UNetConfig)}
+    network = set(config.names(role=config.NETWORK))
+    assert unet_fields == network - {"image_channels", "rescale_timesteps"} | {"in_channels", "out_channels",
+                                                                                "dropout"}
+    cfg = config.TrainConfig(image_size=8, image_channels=1, model_channels=16, channel_mult=(1, 2), norm_groups=8,
+                             attention_resolutions=(4,), num_heads=2, var_type="learned_range", num_classes=3)
+    unet = config.unet_config(cfg)
+    assert (unet.in_channels, unet.out_channels, unet.num_heads, unet.num_classes) == (1, 2, 2, 3)
+    with pytest.raises(ValueError, match="attention_resolutions \\[16\\] never occur"):
+        UNetConfig(image_size=8, channel_mult=(1, 2), attention_resolutions=(16,))

@@ -184,7 +184,7 @@ def convert(path, fmt="auto", ema=False, image_size=None, norm_groups=None, var_
     """Map the checkpoint at ``path`` onto megdiffusion's UNet: ``(cfg, weights, record)``, ``weights`` float32
     arrays by parameter name in the network's order (images in RGB), ``record`` where they came from."""
     from megdiffusion.compat import quiet_megengine
-    from megdiffusion.nn.unet import attention_heads
+    from megdiffusion.nn.options import attention_heads
     from megdiffusion.training.config import build_model
 
     source = read_source(path, ema)

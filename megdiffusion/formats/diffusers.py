@@ -10,6 +10,7 @@ from megdiffusion.diffusion.schedules import make_beta_schedule
 from megdiffusion.errors import one_line
 from megdiffusion.formats import ConvertError
 from megdiffusion.formats.names import source_name
+from megdiffusion.nn.options import attention_heads
 
 DIFFUSERS_WEIGHTS = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin")
 # The diffusers release whose UNet2DModel and DDPMScheduler the written configs were checked against.
@@ -48,10 +49,6 @@ def sin_cos_columns(dim):
     """The input columns of ``EMBEDDING_LAYER`` that diffusers' [sin | cos] order takes from pytorch-ddpm's
     interleaved (sin f0, cos f0, sin f1, ...): its weight's ``[:, sin_cos_columns(dim)]``."""
     return np.concatenate([np.arange(0, dim, 2), np.arange(1, dim, 2)])
-
-
-def _attention_heads(channels, num_heads, num_head_channels):
-    return channels // num_head_channels if num_head_channels else num_heads
 
 
 def check_diffusers_config(config):
@@ -170,7 +167,7 @@ def diffusers_configs(cfg):
     channels = [cfg.model_channels * mult for mult in cfg.channel_mult]
     attn = [level for level in range(len(channels)) if cfg.image_size // 2 ** level in cfg.attention_resolutions]
     attended = [channels[level] for level in attn] + channels[-1:]
-    heads = [_attention_heads(c, cfg.num_heads, cfg.num_head_channels) for c in attended]
+    heads = [attention_heads(c, cfg.num_heads, cfg.num_head_channels) for c in attended]
     widths = {c // h for c, h in zip(attended, heads)}
     if set(heads) != {1} and len(widths) > 1:
         missing.append(f"heads of different widths {sorted(widths)} (UNet2DModel has one attention_head_dim)")

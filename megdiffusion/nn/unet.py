@@ -24,8 +24,7 @@ from megdiffusion.nn.layers import (
     silu,
     timestep_embedding,
 )
-from megdiffusion.nn.options import DOWNSAMPLE_PADDING, DOWNSAMPLE_PADDINGS, NO_CLASS, NORM_EPS, NORM_GROUPS, \
-    TIME_EMBEDDING, TIME_EMBEDDINGS
+from megdiffusion.nn.options import NO_CLASS, UNetConfig, attention_heads
 
 
 class DownLevel(M.Module):
@@ -70,68 +69,8 @@ class UpLevel(M.Module):
         return h
 
 
-def attention_heads(channels, num_heads=1, num_head_channels=0):
-    """Heads of an attention block over ``channels``: channels / num_head_channels when that is set, else
-    num_heads; ValueError when the channels do not split evenly."""
-    heads = channels // num_head_channels if num_head_channels else num_heads
-    if heads < 1 or channels % heads or (num_head_channels and channels % num_head_channels):
-        what = f"num_head_channels={num_head_channels}" if num_head_channels else f"num_heads={num_heads}"
-        raise ValueError(f"attention over {channels} channels cannot be split into heads with {what}")
-    return heads
-
-
-def check_config(model_channels, channel_mult, attention_resolutions, image_size, norm_groups=NORM_GROUPS,
-                 norm_eps=NORM_EPS, downsample_padding=DOWNSAMPLE_PADDING, time_embedding=TIME_EMBEDDING, num_heads=1,
-                 num_head_channels=0, use_scale_shift_norm=False):
-    """Raise ValueError (one line) for a UNet that cannot be built for ``image_size``."""
-    if downsample_padding not in DOWNSAMPLE_PADDINGS:
-        raise ValueError(f"downsample_padding must be one of {', '.join(DOWNSAMPLE_PADDINGS)}, "
-                         f"got {downsample_padding!r}")
-    if time_embedding not in TIME_EMBEDDINGS:
-        raise ValueError(f"time_embedding must be one of {', '.join(TIME_EMBEDDINGS)}, got {time_embedding!r}")
-    if not norm_eps > 0:
-        raise ValueError(f"norm_eps must be positive, got {norm_eps}")
-    if not channel_mult:
-        raise ValueError("channel_mult must list at least one multiplier, e.g. (1, 2, 2, 2)")
-    if norm_groups < 1:
-        raise ValueError(f"norm_groups must be positive, got {norm_groups}")
-    for mult in channel_mult:
-        if mult < 1 or (model_channels * mult) % norm_groups:
-            raise ValueError(
-                f"model_channels * channel_mult must be positive multiples of norm_groups={norm_groups}; "
-                f"got model_channels={model_channels}, channel_mult={tuple(channel_mult)}"
-            )
-    if not use_scale_shift_norm and all(model_channels * mult == norm_groups for mult in channel_mult):
-        # The time embedding is added per channel right before a GroupNorm: with one channel per group
-        # the normalisation subtracts it again, and a network that never sees t cannot denoise (a scale and
-        # shift after the norm reach the output).
-        raise ValueError(
-            f"with model_channels * channel_mult == norm_groups={norm_groups} at every level the UNet "
-            "cannot see the timestep; raise model_channels or channel_mult, or lower norm_groups"
-        )
-    factor = 2 ** (len(channel_mult) - 1)
-    if image_size < 1 or image_size % factor:
-        raise ValueError(
-            f"image_size={image_size} must be divisible by 2**(len(channel_mult)-1)={factor} "
-            f"for channel_mult={tuple(channel_mult)}"
-        )
-    resolutions = [image_size // 2 ** i for i in range(len(channel_mult))]
-    unused = sorted(set(attention_resolutions) - set(resolutions))
-    if unused:
-        raise ValueError(
-            f"attention_resolutions {unused} never occur: with image_size={image_size} and "
-            f"{len(channel_mult)} levels the resolutions are {resolutions}"
-        )
-    if num_heads < 1 or num_head_channels < 0:
-        raise ValueError(f"num_heads must be >= 1 and num_head_channels >= 0, got {num_heads}, {num_head_channels}")
-    attended = [model_channels * mult for resolution, mult in zip(resolutions, channel_mult)
-                if resolution in attention_resolutions] + [model_channels * channel_mult[-1]]  # + the middle block
-    for channels in attended:
-        attention_heads(channels, num_heads, num_head_channels)
-
-
 class UNet(M.Module):
-    """The DDPM noise-prediction UNet.
+    """The DDPM noise-prediction UNet of a ``UNetConfig`` (or of its fields, as keywords).
 
     ``forward(x, t)``: x float32 (N, in_channels, image_size, image_size), t (N,) integer timesteps of the
     original chain; returns (N, out_channels, image_size, image_size), ``out_channels`` defaulting to
@@ -149,37 +88,23 @@ class UNet(M.Module):
     same seed.
     """
 
-    def __init__(
-        self,
-        in_channels=3,
-        model_channels=128,
-        out_channels=None,
-        channel_mult=(1, 2, 2, 2),
-        num_res_blocks=2,
-        attention_resolutions=(16,),
-        dropout=0.1,
-        image_size=32,
-        norm_groups=NORM_GROUPS,
-        norm_eps=NORM_EPS,
-        downsample_padding=DOWNSAMPLE_PADDING,
-        time_embedding=TIME_EMBEDDING,
-        use_scale_shift_norm=False,
-        num_heads=1,
-        num_head_channels=0,
-        num_classes=0,
-    ):
+    def __init__(self, config=None, **options):
+        if config is not None and options:
+            raise TypeError("UNet takes a UNetConfig or its fields as keywords, not both")
         super().__init__()
-        check_config(model_channels, channel_mult, attention_resolutions, image_size, norm_groups, norm_eps,
-                     downsample_padding, time_embedding, num_heads, num_head_channels, use_scale_shift_norm)
+        self.config = config = config or UNetConfig(**options)  # a UNetConfig checks itself when made
+        (in_channels, model_channels, out_channels, channel_mult, num_res_blocks, attention_resolutions, dropout,
+         image_size) = (config.in_channels, config.model_channels, config.out_channels, config.channel_mult,
+                        config.num_res_blocks, config.attention_resolutions, config.dropout, config.image_size)
         self.model_channels = model_channels
         self.image_size = image_size
-        self.time_embedding = time_embedding
+        self.time_embedding = config.time_embedding
         self.no_class = NO_CLASS  # the label that adds no class embedding, for readers of the module tree (cpu/)
-        norm = functools.partial(group_norm, groups=norm_groups, eps=norm_eps)
-        block = functools.partial(ResBlock, dropout=dropout, norm=norm, scale_shift=use_scale_shift_norm)
+        norm = functools.partial(group_norm, groups=config.norm_groups, eps=config.norm_eps)
+        block = functools.partial(ResBlock, dropout=dropout, norm=norm, scale_shift=config.use_scale_shift_norm)
 
         def attention(channels):
-            return AttnBlock(channels, norm, attention_heads(channels, num_heads, num_head_channels))
+            return AttnBlock(channels, norm, attention_heads(channels, config.num_heads, config.num_head_channels))
 
         temb_channels = 4 * model_channels
         self.temb_dense0 = linear(model_channels, temb_channels)
@@ -202,7 +127,7 @@ class UNet(M.Module):
                 skip_channels.append(channels)
             downsample = None
             if level != len(channel_mult) - 1:
-                downsample = Downsample(channels, downsample_padding)
+                downsample = Downsample(channels, config.downsample_padding)
                 skip_channels.append(channels)
             self.down.append(DownLevel(blocks, attns, downsample))
 
@@ -226,8 +151,8 @@ class UNet(M.Module):
 
         self.norm_out = norm(channels)
         self.conv_out = conv2d(channels, out_channels or in_channels, init_scale=0.0)
-        self.num_classes = num_classes
-        self.class_emb = M.Embedding(num_classes, temb_channels) if num_classes else None
+        self.num_classes = config.num_classes
+        self.class_emb = M.Embedding(config.num_classes, temb_channels) if config.num_classes else None
 
     def timestep_input(self, t):
         """The sinusoidal embedding (N, model_channels) of timesteps t (N,), the time embedding's input."""

@@ -23,7 +23,7 @@ from megdiffusion.diffusion.choices import LEARNED_VAR_TYPES, LOSS_TYPES, MEAN_T
 from megdiffusion.diffusion.schedules import SCHEDULES
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.nn.options import DOWNSAMPLE_PADDING, DOWNSAMPLE_PADDINGS, NORM_EPS, NORM_GROUPS, TIME_EMBEDDING, \
-    TIME_EMBEDDINGS
+    TIME_EMBEDDINGS, UNetConfig
 
 # The recipes' flagfiles, and the CPU recipe (the embedded Fashion-MNIST): what the train script and the demo read
 # without a flagfile.
@@ -335,8 +335,6 @@ def check_field(f, value):
 def validate(cfg):
     """Raise ``ConfigError`` for settings that cannot train. Needs ``image_size`` resolved."""
     from megdiffusion.data.loader import LoaderError, per_rank_batch
-    from megdiffusion.nn.unet import check_config as check_unet_config
-
     for f, value in _items(cfg):
         check_field(f, value)
     if cfg.image_size is None:
@@ -348,9 +346,7 @@ def validate(cfg):
     except LoaderError as err:
         raise ConfigError(f"--batch_size: {err}; the global batch is split evenly across ranks") from None
     try:
-        check_unet_config(cfg.model_channels, cfg.channel_mult, cfg.attention_resolutions, cfg.image_size,
-                          cfg.norm_groups, cfg.norm_eps, cfg.downsample_padding, cfg.time_embedding, cfg.num_heads,
-                          cfg.num_head_channels, cfg.use_scale_shift_norm)
+        unet_config(cfg)
     except ValueError as err:
         raise ConfigError(f"bad model flags: {err}") from None
     try:
@@ -379,17 +375,18 @@ def validate(cfg):
                           f"--sample_sampler/--sample_steps/--sample_spacing/--sample_order: {err}") from None
 
 
+def unet_config(cfg):
+    """The ``UNetConfig`` of the config's network: its fields by name, the channels from the data and the variance
+    (ValueError for one that cannot be built)."""
+    given = {f.name: getattr(cfg, f.name) for f in fields(UNetConfig) if f.name not in ("in_channels", "out_channels")}
+    return UNetConfig(in_channels=cfg.image_channels, out_channels=output_channels(cfg), **given)
+
+
 def build_model(cfg):
     """The UNet the config describes."""
     from megdiffusion.nn import UNet
 
-    return UNet(in_channels=cfg.image_channels, model_channels=cfg.model_channels,
-                out_channels=output_channels(cfg), channel_mult=tuple(cfg.channel_mult),
-                num_res_blocks=cfg.num_res_blocks, attention_resolutions=tuple(cfg.attention_resolutions),
-                dropout=cfg.dropout, image_size=cfg.image_size, norm_groups=cfg.norm_groups, norm_eps=cfg.norm_eps,
-                downsample_padding=cfg.downsample_padding, time_embedding=cfg.time_embedding,
-                use_scale_shift_norm=cfg.use_scale_shift_norm, num_heads=cfg.num_heads,
-                num_head_channels=cfg.num_head_channels, num_classes=cfg.num_classes)
+    return UNet(unet_config(cfg))
 
 
 def output_channels(cfg):
