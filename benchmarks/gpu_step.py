@@ -43,7 +43,6 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megdiffusion.compat import cuda_available, quiet_megengine  # noqa: E402
-from megdiffusion.cpu.choice import cpu_engine_enabled  # noqa: E402
 
 mge = quiet_megengine()
 from megdiffusion.data.datasets import load_dataset  # noqa: E402
@@ -95,7 +94,7 @@ def run_row(args, name):
     cfg = cfg.replace(**options)
     select_device(cfg)
     # --source engine: MegEngine's autodiff (with the CPU convolutions on a CPU), as on a GPU
-    trainer = Trainer(cfg, engine="cpu_autodiff" if args.source == "engine" and cpu_engine_enabled() else None)
+    trainer = Trainer(cfg, engine="megengine" if args.source == "engine" else None)
     loader = BatchLoader(images, cfg.batch_size, cfg.seed, random_flip=False)
     losses, seconds = [], []
     reads = HostReads()

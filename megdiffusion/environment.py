@@ -18,7 +18,7 @@ VARIABLES = {
                                                   "sampling calls and convolutions outside MegEngine's kernels; "
                                                   "default on where MegEngine sees no GPU"),
     "MEGDIFFUSION_NATIVE_STEP": ("boolean", "the CPU engine's numpy pass of the network (training steps and "
-                                            "sampling calls); off: MegEngine's autodiff with the CPU convolutions; "
+                                            "sampling calls); off: MegEngine's engine with the CPU convolutions; "
                                             "default on"),
     "MEGDIFFUSION_NUMBA": ("boolean", "the compiled GroupNorm, SiLU and softmax kernels; default on"),
     "MEGDIFFUSION_ONEDNN": ("boolean", "oneDNN's convolutions and products on the CPU; default on"),

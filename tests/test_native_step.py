@@ -32,6 +32,10 @@ UNETS = {
     # pytorch-ddpm's padding and time embedding, 3 channels, attention at the top.
     "cifar": dict(in_channels=3, model_channels=8, channel_mult=(1, 2), num_res_blocks=1, attention_resolutions=(8,),
                   image_size=8, norm_groups=4, downsample_padding="symmetric", time_embedding="pytorch_ddpm"),
+    # improved-diffusion's: AdaGN, heads of fixed width, its time embedding, a learned variance's output channels.
+    "iddpm": dict(in_channels=3, out_channels=6, model_channels=8, channel_mult=(1, 2), num_res_blocks=1,
+                  attention_resolutions=(4,), image_size=8, norm_groups=4, use_scale_shift_norm=True,
+                  num_head_channels=4, time_embedding="iddpm"),
 }
 
 
@@ -72,7 +76,7 @@ def test_the_numpy_pass_is_the_unet_and_its_gradients(name):
     size, channels = kwargs["image_size"], kwargs["in_channels"]
     x = rng.standard_normal((3, channels, size, size)).astype(np.float32)
     t = np.array([0, 17, 999], np.int32)
-    dout = rng.standard_normal(x.shape).astype(np.float32)
+    dout = rng.standard_normal((3, kwargs.get("out_channels", channels), size, size)).astype(np.float32)
     params = list(model.parameters())
     outputs = []
 
@@ -94,12 +98,16 @@ def test_the_numpy_pass_is_the_unet_and_its_gradients(name):
 
 @pytest.mark.parametrize("loss", [dict(), dict(mean_type="xstart", min_snr_gamma=5.0), dict(mean_type="v"),
                                   dict(input_perturbation=0.1), dict(num_classes=3),
-                                  dict(num_classes=3, class_dropout=0.3)],
-                         ids=["eps", "xstart-minsnr", "v", "input-perturbation", "class-conditional", "no-class"])
+                                  dict(num_classes=3, class_dropout=0.3),
+                                  dict(var_type="learned_range", loss_type="hybrid"), dict(var_type="learned"),
+                                  dict(mean_type="xprev")],
+                         ids=["eps", "xstart-minsnr", "v", "input-perturbation", "class-conditional", "no-class",
+                              "learned-range-hybrid", "learned", "xprev"])
 def test_native_loss_and_gradients_are_training_losses(tiny_config, loss):
     """NativeStep on a batch of 20 (three groups: a worker process computes some) against the batch mean of
-    ``training_losses`` through MegEngine's autodiff, with Min-SNR weights, the x_0 and v targets, input
-    perturbation and class labels too."""
+    ``training_losses`` through MegEngine's autodiff, with Min-SNR weights, the x_0, v and x_{t-1} targets, input
+    perturbation, class labels and learned variances (the vb term) too: the loss after the network is the
+    diffusion's own."""
     cfg = tiny_config(channel_mult=(1, 2), attention_resolutions=(4,), norm_groups=4, num_timesteps=100, **loss)
     mge.random.seed(0)
     model = randomised(build_model(cfg))
@@ -147,16 +155,19 @@ def batch(seed, n=16):
 
 
 @pytest.mark.parametrize("changes", [dict(), dict(input_perturbation=0.1), dict(num_classes=3),
-                                     dict(num_classes=3, class_dropout=0.5)],
-                         ids=["recipe", "input-perturbation", "class-conditional", "class-dropout"])
+                                     dict(num_classes=3, class_dropout=0.5),
+                                     dict(var_type="learned_range", loss_type="hybrid", use_scale_shift_norm=True,
+                                          rescale_timesteps=True, num_head_channels=4), dict(mean_type="xprev")],
+                         ids=["recipe", "input-perturbation", "class-conditional", "class-dropout", "iddpm", "xprev"])
 def test_native_steps_are_megengine_steps(tiny_config, changes):
-    """Three Trainer steps of batch 16 through the numpy pass and through MegEngine's autodiff (both with the numpy
-    update): the same losses, gradient norms and weights up to float32 rounding, with input perturbation and class
-    labels (the class embedding's rows learn only from their own labels) too, some of them dropped (the network
-    sees NO_CLASS for about that share of them, and the given class for the others)."""
+    """Three Trainer steps of batch 16 on the CPU engine (the numpy pass and update) and on MegEngine's (its
+    autodiff and update): the same losses, gradient norms and weights up to float32 rounding, with input
+    perturbation, improved-diffusion's network and loss, x_{t-1} prediction and class labels (the class embedding's
+    rows learn only from their own labels) too, some of them dropped (the network sees NO_CLASS for about that
+    share of them, and the given class for the others)."""
     cfg = tiny_config(batch_size=16, channel_mult=(1, 2), attention_resolutions=(4,), norm_groups=4, lr=1e-3,
                       **changes)
-    numpy_run, autodiff = Trainer(cfg, engine="numpy"), Trainer(cfg, engine="cpu_autodiff")
+    numpy_run, autodiff = Trainer(cfg, engine="numpy"), Trainer(cfg, engine="megengine")
     seen = []
     native_step = numpy_run.engine.native_step
     native_pass = native_step.loss_and_gradients
@@ -216,24 +227,30 @@ def test_an_error_in_a_worker_is_raised_by_the_caller(tiny_config, monkeypatch):
     x_t = batch(0)
     t = np.zeros(16, np.int32)
     step.loss_and_gradients(flat, x_t, t, x_t)
-    bad = (x_t[:8], x_t[:8, :, :4], np.ones(8, np.float32), np.zeros((8, 32), np.float32), None, 0)  # wrong target
-    good = (x_t[:8], x_t[:8], np.ones(8, np.float32), np.zeros((8, 32), np.float32), None, 0)
+    good = (x_t[:8], np.zeros((8, 32), np.float32), None, 0)
+    bad = (x_t[:8], np.zeros((8, 31), np.float32), None, 0)  # a time embedding of the wrong width
     with pytest.raises(WorkerError, match="a training worker process failed: .*ValueError"):
-        step.workers.gradients(flat, [good, bad], 16)
+        step.workers.gradients(flat, [good, bad], lambda index, output: (0.0, np.zeros_like(output)))
     assert step.workers.processes == []  # stopped
 
 
 @pytest.mark.parametrize("change", [dict(var_type="learned_range", loss_type="hybrid"),
                                     dict(use_scale_shift_norm=True), dict(mean_type="xprev")])
-def test_setups_the_numpy_pass_does_not_implement_train_through_megengine_autodiff(tiny_config, change):
+def test_the_cpu_engine_trains_every_loss_and_network_and_says_what_it_does_not(tiny_config, change, monkeypatch):
+    """Learned variances, AdaGN and x_{t-1} prediction train on the numpy pass; several ranks (MegEngine averages
+    their gradients), ``MEGDIFFUSION_NATIVE_STEP=0`` and MegEngine's kernels chosen go to MegEngine's autodiff,
+    with the reason where the CPU engine was chosen."""
     previous = cpu_engine_enabled()
     use_cpu_engine(True)
     try:
-        for cfg, world_size, expected in ((tiny_config(**change), 1, "cpu_autodiff"), (tiny_config(), 1, "numpy"),
-                                          (tiny_config(), 2, "cpu_autodiff")):
-            assert choose_engine(build_model(cfg), build_diffusion(cfg), world_size) == expected
+        cfg = tiny_config(**change)
+        assert choose_engine(build_model(cfg), build_diffusion(cfg), 1) == ("numpy", None)
+        engine, why = choose_engine(build_model(cfg), build_diffusion(cfg), 2)
+        assert engine == "megengine" and "averaged across processes" in why
+        monkeypatch.setenv(native.ENV_VAR, "0")
+        assert choose_engine(build_model(cfg), build_diffusion(cfg), 1) == ("megengine", f"{native.ENV_VAR}=0")
         use_cpu_engine(False)
-        assert choose_engine(build_model(tiny_config()), build_diffusion(tiny_config()), 1) == "megengine"
+        assert choose_engine(build_model(cfg), build_diffusion(cfg), 1) == ("megengine", None)
     finally:
         use_cpu_engine(previous)
 
@@ -279,11 +296,11 @@ def test_eval_calls_keep_their_weight_preparations_only_while_the_weights_stay(t
 
     workers = GroupWorkers(described, shapes, 1)  # the second group runs in the worker
     try:
-        training_group = (groups[0][0], groups[0][0], np.ones(8, np.float32), groups[0][1], None, 0)
+        training_group = (groups[0][0], groups[0][1], None, 0)
         for flat, train_before in ((first, False), (first, False), (second, False), (first.copy(), False),
                                    (second, True)):
             if train_before:  # the shared weights now hold the step's weights
-                workers.gradients(first, [training_group, training_group], 16)
+                workers.gradients(first, [training_group, training_group], lambda i, out: (0.0, out))
             for got, want in zip(workers.outputs(flat, groups), expected(flat)):
                 np.testing.assert_array_equal(got, want)
     finally:

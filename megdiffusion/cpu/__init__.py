@@ -1,7 +1,8 @@
 """The CPU fast path: the UNet's training step and sampling calls outside MegEngine.
 
-- ``native``: ``Trainer.step``'s loss and gradients and every eval-mode call, in fixed groups of samples on one
-  worker process per core (``group_workers``), bit-identical on any core count;
+- ``native``: the network's forward and backward of ``Trainer.step`` (the loss between them is the diffusion's) and
+  every eval-mode call, in fixed groups of samples on one worker process per core (``group_workers``),
+  bit-identical on any core count;
 - ``numpy_unet``: the UNet's forward and backward in numpy, channels last, its convolutions on oneDNN;
 - ``onednn``: oneDNN's JIT convolutions through its C API (training primitives for the UNet, inference ones for
   the FID Inception);

@@ -17,7 +17,6 @@ hands its state over, ``Trainer.state``), in Adam's own format, so checkpoints a
 import numpy as np
 
 import megengine
-import megengine.functional as F
 
 from megdiffusion.cpu.batch_threads import one_blas_thread
 from megdiffusion.compat import assign_
@@ -64,17 +63,12 @@ class FlatUpdate:
         self.ema = _flat([p.numpy() for p in ema_params], total)
         self.exp_avg = _flat([s["exp_avg"] for s in per_param], total)
         self.exp_avg_sq = _flat([s["exp_avg_sq"] for s in per_param], total)
-        self.grad = None  # the gradients of the current step, flat (set by gather_gradients or the caller)
+        self.grad = None  # the gradients of the current step, flat (set by the caller)
         self.chunks = [slice(start, min(start + CHUNK, total)) for start in range(0, total, CHUNK)]
 
     def _views(self, flat):
         """``flat`` cut into arrays shaped like the parameters."""
         return [flat[a:b].reshape(p.shape) for p, a, b in zip(self.params, self.bounds, self.bounds[1:])]
-
-    def gather_gradients(self):
-        """Take the parameters' gradients (MegEngine's ``Parameter.grad``) as the step's gradients."""
-        # One MegEngine concat and one copy to numpy: reading 184 gradients one by one waits 184 times.
-        self.grad = F.concat([p.grad.reshape(-1) for p in self.params]).numpy()
 
     def gradient_norm(self):
         """The global L2 norm of the step's gradients (``grad``, flat) as a float32 (``clip_grad_norm``'s value),

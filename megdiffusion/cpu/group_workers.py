@@ -1,5 +1,5 @@
-"""Worker processes that compute groups of a batch through ``cpu.numpy_unet`` (``megdiffusion.cpu.native``): the loss
-and gradients of a training step, or the output of an eval-mode call.
+"""Worker processes that compute groups of a batch through ``cpu.numpy_unet`` (``megdiffusion.cpu.native``): the
+forward and backward of a training step (the loss between them is the caller's), or the output of an eval-mode call.
 
 A batch is cut into groups of a fixed size (``native.GROUP``); group g runs on process g mod P, process 0 being
 the caller, where P is at most one per core. Processes rather than threads: numpy's many small operations hand the GIL
@@ -31,7 +31,7 @@ from megdiffusion.errors import MegdiffusionError
 from megdiffusion.cpu import numpy_unet
 
 
-_INSTEAD = "MEGDIFFUSION_NATIVE_STEP=0 trains through MegEngine's autodiff, without worker processes"
+_INSTEAD = "MEGDIFFUSION_NATIVE_STEP=0 trains on MegEngine's engine, without worker processes"
 
 
 class WorkerError(MegdiffusionError):
@@ -150,61 +150,81 @@ class GroupWorkers:
             os.unlink(weights_path)
             os.unlink(grads_path)
 
-    def gradients(self, flat_weights, groups, batch_size):
-        """[(loss, flat gradient)] of each group in ``groups`` ([(x_t, target, mse_weight, temb_in, dropout seed)])
-        at the weights ``flat_weights``: ``numpy_unet.group_loss_and_gradients`` of each, in group order."""
-        return self._map("gradients", flat_weights, groups, batch_size)
+    def gradients(self, flat_weights, groups, head):
+        """[(loss, flat gradient)] of each group in ``groups`` ([(x_t, temb_in, labels, dropout seed)]) at the weights
+        ``flat_weights``, in group order. Each group's training pass (``numpy_unet.training_pass``) runs forward in
+        its process; ``head(index, output)`` gives its loss and d loss / d output (the diffusion's own loss, in
+        this process); then its backward. The groups go in waves of one per process, so each process holds one
+        group's activations at a time, as a whole pass would."""
+        processes = min(len(self.connections) + 1, len(groups))
+        remote = [index for index in range(len(groups)) if index % processes]
+        slot = {index: i for i, index in enumerate(remote)}
+        self._use_weights(flat_weights, fixed=False)
+        if remote:
+            if self.grads is None or len(self.grads) < len(remote):
+                self._map_buffers(len(remote))
+            np.copyto(self.weights, flat_weights)
+        results = {}
+        with one_blas_thread():
+            for start in range(0, len(groups), processes):
+                wave = range(start, min(start + processes, len(groups)))
+                for index in wave[1:]:
+                    self._send(self.connections[index % processes - 1], ("forward", slot[index], groups[index]))
+                buffer = self._local_buffer(start // processes)
+                buffer.fill(0)
+                output, backward = numpy_unet.training_pass(self.model, self.views, _views(buffer, self.shapes),
+                                                            *groups[start])
+                outputs = {start: output}
+                for index in wave[1:]:
+                    outputs[index] = self._receive(self.connections[index % processes - 1])
+                heads = {index: head(index, outputs[index]) for index in wave}
+                for index in wave[1:]:
+                    self._send(self.connections[index % processes - 1], ("backward", slot[index], heads[index][1]))
+                backward(heads[start][1])
+                results[start] = heads[start][0], buffer
+                for index in wave[1:]:
+                    self._receive(self.connections[index % processes - 1])
+                    results[index] = heads[index][0], self.grads[slot[index]]
+        return [results[index] for index in range(len(groups))]
 
     def outputs(self, flat_weights, groups):
         """The network's output (NCHW) for each group in ``groups`` ([(x NCHW, temb_in)]) at ``flat_weights``: an
         array taken as unchanged when it was the last one given here (``NativeModel``'s weights, fixed), so that
         sampling copies the weights to the workers and prepares them for oneDNN once, not at every call."""
-        return self._map("outputs", flat_weights, groups)
 
-    def _map(self, kind, flat_weights, groups, *args):
         processes = min(len(self.connections) + 1, len(groups))
         jobs = [list(range(p, len(groups), processes)) for p in range(processes)]
-        remote = [index for job in jobs[1:] for index in job]
-        slot = {index: i for i, index in enumerate(remote)}
-        if not (kind == "outputs" and flat_weights is self.fixed_weights):
-            self.fixed_weights = flat_weights if kind == "outputs" else None
-            self.views, self.prepared, self.shared_fixed = _views(flat_weights, self.shapes), {}, False
-        if remote:
-            slots = len(remote) if kind == "gradients" else 0
-            if self.grads is None or len(self.grads) < slots:
-                self._map_buffers(slots)
+        self._use_weights(flat_weights, fixed=True)
+        if jobs[1:]:
+            if self.grads is None:
+                self._map_buffers(0)
             fresh = not self.shared_fixed  # the workers drop their preparations of older weights
             if fresh:
                 np.copyto(self.weights, flat_weights)
-                self.shared_fixed = kind == "outputs"
+                self.shared_fixed = True
             for connection, job in zip(self.connections, jobs[1:]):
-                self._send(connection, (kind, [(slot[i], groups[i]) for i in job], fresh) + args)
+                self._send(connection, ("outputs", [groups[i] for i in job], fresh))
         results = {}
         with one_blas_thread():
-            for position, index in enumerate(jobs[0]):
-                buffer = self._local_buffer(position) if kind == "gradients" else None
-                result = _compute(kind, self.model, self.views, buffer, self.shapes, groups[index], self.prepared,
-                                  *args)
-                results[index] = result if buffer is None else (result, buffer)
+            for index in jobs[0]:
+                results[index] = numpy_unet.unet_output(self.model, self.views, *groups[index], prepared=self.prepared)
         for connection, job in zip(self.connections, jobs[1:]):
             for index, result in zip(job, self._receive(connection)):
-                results[index] = (result, self.grads[slot[index]]) if kind == "gradients" else result
+                results[index] = result
         return [results[index] for index in range(len(groups))]
+
+    def _use_weights(self, flat_weights, fixed):
+        """Views of ``flat_weights`` for this process; ``fixed``: an eval call's weights, whose views, oneDNN layouts
+        and shared copy are kept while the same array comes again."""
+        if not (fixed and flat_weights is self.fixed_weights):
+            self.fixed_weights = flat_weights if fixed else None
+            self.views, self.prepared, self.shared_fixed = _views(flat_weights, self.shapes), {}, False
 
     def _local_buffer(self, position):
         """The caller's gradient buffer number ``position``, kept between steps (fresh pages cost more than zeros)."""
         while len(self.local_grads) <= position:
             self.local_grads.append(np.empty(self.total, np.float32))
         return self.local_grads[position]
-
-
-def _compute(kind, model, weights, grads, shapes, inputs, prepared, *args):
-    """One group's job in any process: its loss, with its gradients in the flat array ``grads``, or its output
-    (``prepared``: the preparations of these weights kept between eval calls)."""
-    if kind == "gradients":
-        grads.fill(0)
-        return numpy_unet.group_loss_and_gradients(model, weights, _views(grads, shapes), *inputs, *args)
-    return numpy_unet.unet_output(model, weights, *inputs, prepared=prepared)
 
 
 def _stop(connections, processes):
@@ -222,13 +242,15 @@ def _stop(connections, processes):
 
 def serve(fd):
     """A worker's loop on the socket ``fd``: messages ("model", model, shapes), ("buffers", weights path, gradients
-    path, slots), ("gradients", [(slot, inputs)], fresh, batch size) and ("outputs", [(slot, inputs)], fresh), fresh
-    saying that the shared weights changed since the last message; each answered with ("ok", result) or ("error",
-    the exception in one line; its traceback goes to stderr)."""
+    path, slots), ("forward", slot, inputs) then ("backward", slot, d output) of a training pass into gradient slot
+    ``slot``, and ("outputs", [inputs], fresh) of eval calls, fresh saying that the shared weights changed since the
+    last ones; each answered with ("ok", result) or ("error", the exception in one line; its traceback goes to
+    stderr)."""
     connection = Connection(fd)
     keep_freed_memory()
     model = shapes = weights = grads = None
     prepared = {}  # the eval pass's preparations of the shared weights while they stay the same
+    pending = {}  # slot -> the backward of its training pass
     while True:
         try:
             message = connection.recv()
@@ -245,12 +267,19 @@ def serve(fd):
                 weights = _views(np.memmap(weights_path, np.float32, "r", shape=(max(total, 1),))[:total], shapes)
                 grads = np.memmap(grads_path, np.float32, "r+", shape=(max(slots * total, 1),))
                 grads = grads[:slots * total].reshape(slots, total)
+            elif kind == "forward":
+                _, slot, inputs = message
+                prepared = {}
+                grads[slot].fill(0)
+                result, pending[slot] = numpy_unet.training_pass(model, weights, _views(grads[slot], shapes), *inputs)
+            elif kind == "backward":
+                _, slot, doutput = message
+                pending.pop(slot)(doutput)
             else:
-                _, jobs, fresh, *args = message
+                _, jobs, fresh = message
                 if fresh:
                     prepared = {}
-                result = [_compute(kind, model, weights, grads[slot] if kind == "gradients" else None, shapes,
-                                   inputs, prepared, *args) for slot, inputs in jobs]
+                result = [numpy_unet.unet_output(model, weights, *inputs, prepared=prepared) for inputs in jobs]
             answer = ("ok", result)
         except Exception as error:  # noqa: BLE001 - the caller raises it
             traceback.print_exc()

@@ -4,8 +4,8 @@ eval-mode calls (``NativeModel``, in ``generation.generate_images``).
 The batch is cut into fixed groups of ``GROUP`` samples; each group's pass (``cpu.numpy_unet``) runs in the calling
 process or in a worker process (``group_workers``, one process per core), and the groups' gradients are summed in
 group order, so results are bit-identical on any core count. The training loss is
-``GaussianDiffusion.training_losses``' for a fixed variance: the mse between the model's output and its target (the
-noise, x_0 or v), weighted per timestep (``mse_weight``: 1, or Min-SNR's), averaged over the batch.
+``GaussianDiffusion.training_losses``' itself: its inputs and its terms after the network run in MegEngine here
+(``training_inputs``, ``losses_of_output``), only the network in numpy, so every loss the diffusion defines trains.
 ``MEGDIFFUSION_NATIVE_STEP=0`` turns both off: MegEngine then runs the network (with the fast convolutions).
 """
 
@@ -19,6 +19,7 @@ from megdiffusion.cpu.choice import cpu_engine_enabled
 from megdiffusion import environment
 
 mge = quiet_megengine()
+from megengine.autodiff import GradManager  # noqa: E402
 
 GROUP = 8  # samples per forward and backward pass (the unit of determinism)
 ENV_VAR = "MEGDIFFUSION_NATIVE_STEP"
@@ -34,10 +35,6 @@ def unsupported(model, diffusion, world_size):
     """Why ``NativeStep`` cannot train this setup (one phrase), or None when it can."""
     if world_size > 1:
         return "gradients are averaged across processes by MegEngine"
-    if diffusion.learns_variance:
-        return "a learned variance is not implemented"
-    if diffusion.mean_type not in ("eps", "xstart", "v"):
-        return f"mean_type {diffusion.mean_type!r} is not implemented"
     return numpy_unet.unsupported(numpy_unet.describe(model, list(model.parameters())))
 
 
@@ -65,36 +62,44 @@ class NativeStep:
         fused.note_if_missing()
         self.diffusion = diffusion
         self.shapes = [tuple(p.shape) for p in params]
-        self.coefficients = {name: getattr(diffusion, name).astype(np.float32) for name in
-                             ("sqrt_alphas_cumprod", "sqrt_one_minus_alphas_cumprod", "mse_weight")}
         self.workers = None
 
     def loss_and_gradients(self, flat_weights, x0, t, noise, dropout_seed=0, perturbation=None, labels=None,
                            batch_size=None, first_group=0):
         """(loss, flat gradient) for the batch x0 at timesteps ``t`` (int, (N,)) with ``noise`` (and
-        ``perturbation`` added to the noise of x_t only, as ``training_losses``) and, for a class-conditional
-        network, the class ``labels`` (N,); ``flat_weights``: the parameters' current values, one after the other in
-        ``params`` order. The loss is the sum over x0 divided by ``batch_size`` (default N): x0 may be a micro-batch
-        of a larger batch, whose first sample is sample ``first_group * GROUP`` of it. Group g of that batch draws
-        its dropout masks from ``np.random.default_rng([dropout_seed, g])``."""
-        coef = {name: values[t] for name, values in self.coefficients.items()}
-        signal = coef["sqrt_alphas_cumprod"].reshape(-1, 1, 1, 1)
-        noise_scale = coef["sqrt_one_minus_alphas_cumprod"].reshape(-1, 1, 1, 1)
-        x_t = signal * x0 + noise_scale * (noise if perturbation is None else noise + perturbation)
-        mean_type = self.diffusion.mean_type
-        target = noise if mean_type == "eps" else x0 if mean_type == "xstart" else signal * noise - noise_scale * x0
+        ``perturbation`` added to the noise of x_t only) and, for a class-conditional network, the class ``labels``
+        (N,); ``flat_weights``: the parameters' current values, one after the other in ``params`` order. The loss is
+        ``diffusion.training_losses``' summed over x0 and divided by ``batch_size`` (default N): x_t and the loss
+        of each group's output come from the diffusion itself (``training_inputs``, ``losses_of_output``, d loss /
+        d output by MegEngine's autodiff), only the network runs here. x0 may be a micro-batch of a larger batch,
+        whose first sample is sample ``first_group * GROUP`` of it; group g of that batch draws its dropout masks
+        from ``np.random.default_rng([dropout_seed, g])``."""
+        x0_t, t_t, noise_t = mge.tensor(x0), mge.tensor(t), mge.tensor(noise)
+        x_t = self.diffusion.training_inputs(x0_t, t_t, noise_t,
+                                             None if perturbation is None else mge.tensor(perturbation))
         temb_in = self.timestep_input(self.diffusion.model_timesteps(t)).numpy()
-        groups = [(x_t[p], target[p], coef["mse_weight"][p], temb_in[p], _part(labels, p), [dropout_seed, g])
-                  for g, p in enumerate(_groups(len(x0)), start=first_group)]
+        parts = _groups(len(x0))
+        x_t_values = x_t.numpy()
+        groups = [(x_t_values[p], temb_in[p], _part(labels, p), [dropout_seed, g])
+                  for g, p in enumerate(parts, start=first_group)]
         if self.workers is None:
             self.workers = _workers(self.model, self.shapes, len(groups))
-        batch_size = batch_size or len(x0)
-        results = self.workers.gradients(flat_weights, groups, batch_size)
+        scale = 1.0 / (batch_size or len(x0))
+
+        def head(index, output):
+            rows = parts[index]
+            leaf = mge.tensor(output)
+            with GradManager().attach([leaf]) as gm:
+                losses = self.diffusion.losses_of_output(leaf, x0_t[rows], x_t[rows], t_t[rows], noise_t[rows])
+                loss = losses["loss"].sum() * scale
+                gm.backward(loss)
+            return float(loss.numpy()), leaf.grad.numpy()
+
+        results = self.workers.gradients(flat_weights, groups, head)
         gradient = results[0][1].copy()
         for _, flat in results[1:]:
             gradient += flat
-        return sum(loss for loss, _ in results) / batch_size, gradient
-
+        return sum(loss for loss, _ in results), gradient
 
     def batch_gradients(self, flat_weights, x0, draws, rows):
         """(the batch's mean loss, its flat gradient) at ``flat_weights`` for the batch ``x0`` with its draws (a

@@ -54,9 +54,6 @@ def unsupported(model):
     """Why this pass cannot run ``model`` (a ``describe``d UNet; one phrase), or None when it can."""
     if not onednn.available():
         return "oneDNN is not available"
-    blocks = [block for level in model.down + model.up for block in level.blocks]
-    if any(block.scale_shift for block in blocks + [model.mid_block1, model.mid_block2]):
-        return "use_scale_shift_norm is not implemented"
     return None
 
 
@@ -216,7 +213,10 @@ class _Layers:
         h, back1 = self.norm(block.norm1, x, silu=True)
         h, back2 = self.conv(block.conv1, h)
         emb, back3 = self.linear(block.temb_proj, temb_act)
-        h, back4 = self.norm(block.norm2, h, silu=True, shift=emb)
+        if block.scale_shift:
+            h, back4 = self.scale_shift_norm(block.norm2, h, emb)
+        else:
+            h, back4 = self.norm(block.norm2, h, silu=True, shift=emb)
         h, dropout_back = self.dropout(block.dropout.drop_prob, h)
         h, back5 = self.conv(block.conv2, h)
         skip, back6 = self.conv(block.skip, x) if block.skip is not None else (x, None)
@@ -229,6 +229,21 @@ class _Layers:
             return dx, dtemb
 
         return skip + h, backward
+
+    def scale_shift_norm(self, module, x, emb):
+        """SiLU(GN(x) * (1 + scale) + shift), (scale, shift) = ``emb`` (N, 2C) split in two (AdaGN, ``ResBlock``'s
+        scale_shift): (output, backward(dy) -> (dx, d emb))."""
+        c = x.shape[-1]
+        scale, shift = emb[:, None, None, :c], emb[:, None, None, c:]
+        normed, norm_back = self.norm(module, x, silu=False)
+        y, silu_back = self.silu(normed * (1.0 + scale) + shift)
+
+        def backward(dy):
+            dy = silu_back(dy)
+            demb = np.concatenate([np.sum(dy * normed, axis=(1, 2)), dy.sum(axis=(1, 2))], axis=1)
+            return norm_back(dy * (1.0 + scale))[0], demb
+
+        return y, backward
 
     def dropout(self, rate, x):
         """Inverted dropout: each value kept with probability 1 - ``rate`` and scaled by 1 / (1 - rate)."""
@@ -387,19 +402,14 @@ def unet_forward(model, weights, grads, x, temb_in, labels=None, rng=None, prepa
     return out, backward
 
 
-def group_loss_and_gradients(model, weights, grads, x_t, target, mse_weight, temb_in, labels, dropout_seed,
-                             batch_size):
-    """One group's share of the training loss: the sum over its samples of ``mse_weight`` times the mean squared
-    error between ``model``'s output at (x_t, temb_in, labels) in training mode (dropout from
-    ``np.random.default_rng(dropout_seed)``) and ``target`` (both NCHW); the gradients of that sum divided by
-    ``batch_size`` (the group's share of the batch mean) are added into ``grads``."""
+def training_pass(model, weights, grads, x_t, temb_in, labels, dropout_seed):
+    """One group's training-mode pass of ``model`` at (x_t NCHW, ``temb_in``, ``labels``), dropout masks from
+    ``np.random.default_rng(dropout_seed)``: (output NCHW, backward(d output NCHW)), the backward adding every
+    parameter's gradient into ``grads``."""
     out, backward = unet_forward(model, weights, grads, np.ascontiguousarray(x_t.transpose(0, 2, 3, 1)), temb_in,
                                  labels, np.random.default_rng(dropout_seed))
-    diff = out - target.transpose(0, 2, 3, 1)
-    loss = float(np.sum(np.mean(np.square(diff, dtype=np.float64), axis=(1, 2, 3)) * mse_weight))
-    diff *= mse_weight.reshape(-1, 1, 1, 1) * np.float32(2.0 / (batch_size * diff[0].size))
-    backward(diff)
-    return loss
+    return (np.ascontiguousarray(out.transpose(0, 3, 1, 2)),
+            lambda doutput: backward(np.ascontiguousarray(doutput.transpose(0, 2, 3, 1))))
 
 
 def unet_output(model, weights, x, temb_in, labels=None, prepared=None):

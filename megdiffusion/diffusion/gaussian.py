@@ -267,8 +267,17 @@ class GaussianDiffusion:
         t = _as_timesteps(self._draw_timesteps(x0.shape[0]) if t is None else t)
         if noise is None:
             noise = megengine.random.normal(size=x0.shape)
-        x_t = self.q_sample(x0, t, noise if perturbation is None else noise + perturbation)
-        output = self.run_model(model, x_t, t)
+        x_t = self.training_inputs(x0, t, noise, perturbation)
+        return self.losses_of_output(self.run_model(model, x_t, t), x0, x_t, t, noise)
+
+    def training_inputs(self, x0, t, noise, perturbation=None):
+        """x_t of ``training_losses``: q(x_t | x_0) with ``noise`` (plus ``perturbation``, which the target lacks)."""
+        return self.q_sample(x0, _as_timesteps(t), noise if perturbation is None else noise + perturbation)
+
+    def losses_of_output(self, output, x0, x_t, t, noise):
+        """``training_losses``' terms given the network's ``output`` at (x_t, t): the half after the network, so that
+        an engine computing the network elsewhere (the CPU engine) takes its loss and d loss / d output from here."""
+        t = _as_timesteps(t)
         prediction, values = self.split_output(output)
         if self.mean_type == "eps":
             target = noise

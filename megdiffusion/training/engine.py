@@ -2,16 +2,18 @@
 weights, their EMA and Adam's state, and offers the same calls on every path: ``gradients`` of a step's draws (the
 loss and the gradient norm, as floats; the gradients stay inside), then ``update`` (clip, Adam, EMA) or ``discard``.
 
-- ``CpuEngine`` (the CPU engine, ``megdiffusion.cpu.choice``): the gradients from the numpy pass (``cpu.native``)
-  where it implements the setup (``"numpy"``), else from MegEngine's autodiff with the CPU convolutions
-  (``"cpu_autodiff"``); the update in numpy on flat buffers (``cpu.flat_update``).
-- ``DeviceEngine`` (``"megengine"``: GPUs, or ``MEGDIFFUSION_FAST_CONV=0``): MegEngine's autodiff (``EngineSource``,
-  float32 or mixed precision) and MegEngine's update on the device, eager or as two traced graphs (``--trace``).
+- ``CpuEngine`` (``"numpy"``, the CPU engine, ``megdiffusion.cpu.choice``): the network's forward and backward in
+  the numpy pass (``cpu.native``), the loss between them the diffusion's own, the update in numpy on flat buffers
+  (``cpu.flat_update``).
+- ``DeviceEngine`` (``"megengine"``: GPUs, ``MEGDIFFUSION_FAST_CONV=0``, or a setup the numpy pass does not run,
+  ``native.unsupported``): MegEngine's autodiff (``EngineSource``, float32 or mixed precision) and MegEngine's update
+  on the device, eager or as two traced graphs (``--trace``).
 
 Every source takes the batch in micro-batches (``--microbatch``) and gives the gradient of the whole batch's mean loss.
 """
 import contextlib
 import functools
+import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -31,7 +33,7 @@ from megengine.autodiff import GradManager  # noqa: E402
 from megengine.jit import trace  # noqa: E402
 from megengine.optimizer import Adam  # noqa: E402
 
-ENGINES = ("numpy", "cpu_autodiff", "megengine")
+ENGINES = ("numpy", "megengine")
 
 
 class NonFiniteLossError(MegdiffusionError):
@@ -166,8 +168,8 @@ class Modules(NamedTuple):
 
 
 class _Engine:
-    def __init__(self, model, ema, optimizer, source):
-        self.model, self.ema, self.optimizer, self.source = model, ema, optimizer, source
+    def __init__(self, model, ema, optimizer):
+        self.model, self.ema, self.optimizer = model, ema, optimizer
         self.params, self.ema_params = list(model.parameters()), list(ema.parameters())
 
     def _set_lr(self, lr):
@@ -181,13 +183,12 @@ class _Engine:
 
 
 class CpuEngine(_Engine):
-    """The CPU engine: gradients from the numpy pass (``native_step``, a ``native.NativeStep``) where it implements
-    the setup, else from ``source`` (an ``EngineSource``, whose convolutions then run on the CPU kernels); clipping,
-    Adam and the EMA in numpy on flat buffers (``FlatUpdate``), which hold the state between steps. The network's
-    weights are written back after every update; the EMA's and Adam's only when the state is ``handed_over``."""
+    """The CPU engine: gradients from the numpy pass (``native_step``, a ``native.NativeStep``); clipping, Adam and the
+    EMA in numpy on flat buffers (``FlatUpdate``), which hold the state between steps. The network's weights are
+    written back after every update; the EMA's and Adam's only when the state is ``handed_over``."""
 
-    def __init__(self, model, ema, optimizer, source, native_step=None):
-        super().__init__(model, ema, optimizer, source)
+    def __init__(self, model, ema, optimizer, native_step):
+        super().__init__(model, ema, optimizer)
         self.native_step = native_step
         self.flat = self._flat_update()
 
@@ -197,12 +198,7 @@ class CpuEngine(_Engine):
     def gradients(self, x0, draws, rows, loss_scale=1.0):
         """The ``Gradients`` of ``draws`` on the batch ``x0`` in the micro-batches ``rows`` (``loss_scale``: 1, as
         the CPU engine runs in float32)."""
-        if self.native_step is not None:
-            loss, self.flat.grad = self.native_step.batch_gradients(self.flat.param, x0, draws, rows)
-        else:
-            loss = self.source(x0, draws, rows).item()
-            self.flat.gather_gradients()
-            self.optimizer.clear_grad()
+        loss, self.flat.grad = self.native_step.batch_gradients(self.flat.param, x0, draws, rows)
         return Gradients(float(loss), float(self.flat.gradient_norm()))
 
     def update(self, gradients, lr, max_norm, ema_decay):
@@ -235,7 +231,8 @@ class DeviceEngine(_Engine):
     """
 
     def __init__(self, model, ema, optimizer, source, traced=False):
-        super().__init__(model, ema, optimizer, source)
+        super().__init__(model, ema, optimizer)
+        self.source = source
         # The step's two halves: ``jit.trace`` objects under ``traced``, else the plain functions.
         self.gradient_graph = trace(self._gradients_and_norm, symbolic=True) if traced else self._gradients_and_norm
         self.update_graph = trace(self._clip_adam_ema, symbolic=True) if traced else self._clip_adam_ema
@@ -321,27 +318,32 @@ def check_step_options(cfg, engine=None):
 
 
 def choose_engine(model, diffusion, world_size):
-    """The engine a run takes on this machine (one of ``ENGINES``): the CPU engine unless MegEngine's kernels are
-    chosen (``cpu.choice``), with the numpy pass where ``native`` implements the setup."""
+    """``(engine, why)``: the engine a run takes on this machine (one of ``ENGINES``) and, where the CPU engine is
+    chosen (``cpu.choice``) but cannot run the setup, why not (``native.unsupported``), else None."""
     if not cpu_engine_enabled():
-        return "megengine"
-    if native.enabled() and native.unsupported(model, diffusion, world_size) is None:
-        return "numpy"
-    return "cpu_autodiff"
+        return "megengine", None
+    if not native.enabled():
+        return "megengine", f"{native.ENV_VAR}=0"
+    why = native.unsupported(model, diffusion, world_size)
+    return ("megengine", why) if why else ("numpy", None)
 
 
 def make_engine(cfg, model, ema, diffusion, world_size=1, engine=None):
-    """The engine of a run of ``cfg`` (``engine``, one of ``ENGINES``; default ``choose_engine``'s) over ``model`` and
-    its EMA copy ``ema``, with a new Adam; gradients are averaged over ``world_size`` processes."""
-    engine = engine or choose_engine(model, diffusion, world_size)
+    """The engine of a run of ``cfg`` (``engine``, one of ``ENGINES``; default ``choose_engine``'s, with a ``note:``
+    on stderr when the CPU engine cannot run the setup) over ``model`` and its EMA copy ``ema``, with a new Adam;
+    gradients are averaged over ``world_size`` processes."""
+    check_step_options(cfg, engine)  # by the machine when the engine is chosen here: --amp not on the CPU path
+    if engine is None:
+        engine, why = choose_engine(model, diffusion, world_size)
+        if why:
+            print(f"note: the CPU engine does not run this setup ({why}); MegEngine's autodiff trains it, slower",
+                  file=sys.stderr)
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}; got {engine!r}")
-    check_step_options(cfg, engine)
     params = list(model.parameters())
     optimizer = Adam(params, lr=cfg.lr)
+    if engine == "numpy":
+        return CpuEngine(model, ema, optimizer, native.NativeStep(model, diffusion, params))
     grad_manager = GradManager().attach(params, callbacks=distributed.allreduce_mean_callbacks(world_size))
     source = EngineSource(model, diffusion, params, grad_manager, amp=cfg.amp)
-    if engine == "megengine":
-        return DeviceEngine(model, ema, optimizer, source, traced=cfg.trace)
-    return CpuEngine(model, ema, optimizer, source,
-                     native.NativeStep(model, diffusion, params) if engine == "numpy" else None)
+    return DeviceEngine(model, ema, optimizer, source, traced=cfg.trace)
