@@ -48,9 +48,11 @@ def randomised(model, seed=0):
 
 
 def megengine_gradients(params, loss):
-    """The gradients of ``loss()`` with respect to ``params`` by MegEngine's autodiff and native kernels."""
-    previous = cpu_engine_enabled()
+    """The gradients of ``loss()`` with respect to ``params`` by MegEngine's autodiff and native kernels, its
+    interpreter synchronous: asynchronous, its CPU backward now and then returns wrong gradients (docs/cpu.md)."""
+    previous, previous_level = cpu_engine_enabled(), mge.config.async_level
     use_cpu_engine(False)
+    mge.config.async_level = 0
     try:
         grad_manager = GradManager().attach(params)
         with grad_manager:
@@ -58,6 +60,7 @@ def megengine_gradients(params, loss):
         return [p.grad.numpy() for p in params]
     finally:
         use_cpu_engine(previous)
+        mge.config.async_level = previous_level
 
 
 def assert_gradients_close(got, expected):
@@ -305,3 +308,47 @@ def test_eval_calls_keep_their_weight_preparations_only_while_the_weights_stay(t
                 np.testing.assert_array_equal(got, want)
     finally:
         workers.close()
+
+
+def test_the_numpy_pass_lowers_exactly_what_it_implements_and_names_the_rest(tiny_config):
+    """Its allowlist (``numpy_unet.LOWERING``) covers every module, attribute and value of networks with every
+    network option, holds nothing they lack, and refuses the rest in one line naming it: an unknown attribute, a
+    module class of its own (a subclass too), a value outside what it implements. A refused network trains on
+    MegEngine's engine, saying why."""
+    built = [build_model(tiny_config(**changes)) for changes in (
+        dict(), dict(channel_mult=(1, 2), attention_resolutions=(4,), norm_groups=4, num_heads=2, num_classes=3,
+                     downsample_padding="symmetric", time_embedding="pytorch_ddpm"),
+        dict(channel_mult=(1, 2), attention_resolutions=(8,), norm_groups=4, use_scale_shift_norm=True,
+             num_head_channels=8, var_type="learned_range", rescale_timesteps=True, time_embedding="iddpm"))]
+    present = {}
+    for model in built:
+        numpy_unet.describe(model, list(model.parameters()))  # every option lowers
+        for module in model.modules():
+            present.setdefault(type(module).__name__, set()).update(vars(module))
+    for kind, entry in numpy_unet.LOWERING.items():
+        named = entry["reads"] | set(entry.get("ignores", ())) | set(entry.get("supports", {}))
+        assert named <= present[kind], f"{kind}: {sorted(named - present[kind])} named but never present"
+    model = built[0]
+    params = list(model.parameters())
+    model.mid_block1.up = True  # improved-diffusion's resblock_updown, say
+    with pytest.raises(numpy_unet.NotLowerable, match=r"^ResBlock\.up \(UNet\.mid_block1\) is an attribute"):
+        numpy_unet.describe(model, params)
+    del model.mid_block1.up
+    model.conv_in.groups = 2
+    with pytest.raises(numpy_unet.NotLowerable, match=r"^Conv2d\.groups=2 \(UNet\.conv_in\) is not implemented"):
+        numpy_unet.describe(model, params)
+    model.conv_in.groups = 1
+
+    class GatedResBlock(type(model.mid_block2)):
+        pass
+
+    model.mid_block2.__class__ = GatedResBlock
+    with pytest.raises(numpy_unet.NotLowerable, match=r"^UNet\.mid_block2 is a GatedResBlock, a module"):
+        numpy_unet.describe(model, params)
+    previous = cpu_engine_enabled()
+    use_cpu_engine(True)
+    try:
+        engine, why = choose_engine(model, build_diffusion(tiny_config()), 1)
+        assert engine == "megengine" and why.startswith("UNet.mid_block2 is a GatedResBlock")
+    finally:
+        use_cpu_engine(previous)

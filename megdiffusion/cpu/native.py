@@ -35,7 +35,10 @@ def unsupported(model, diffusion, world_size):
     """Why ``NativeStep`` cannot train this setup (one phrase), or None when it can."""
     if world_size > 1:
         return "gradients are averaged across processes by MegEngine"
-    return numpy_unet.unsupported(numpy_unet.describe(model, list(model.parameters())))
+    try:
+        return numpy_unet.unsupported(numpy_unet.describe(model, list(model.parameters())))
+    except numpy_unet.NotLowerable as err:
+        return str(err)
 
 
 def _groups(n):
@@ -135,7 +138,10 @@ class NativeModel:
         """A ``NativeModel`` of ``model`` (a ``UNet``) where it runs (with the CPU engine), else ``model`` itself."""
         if not enabled():
             return model
-        native = NativeModel(model)
+        try:
+            native = NativeModel(model)
+        except numpy_unet.NotLowerable:  # a network the pass has no kernel for: MegEngine computes it
+            return model
         return model if numpy_unet.unsupported(native.model) else native
 
     def __call__(self, x, t, y=None):

@@ -23,31 +23,84 @@ import numpy as np
 from megdiffusion.cpu import fused, onednn
 
 
+# The allowlist of the pass: for each module class of the UNet (by exact class name: a subclass is another module),
+# the attributes its kernels read, those they know and leave aside (sizes the weights carry, or facts the caller
+# computes: the time embedding's sinusoid is MegEngine's, ``timestep_input``), and the only values implemented of
+# the attributes named in "supports". Any other class, attribute or value is ``NotLowerable``: the pass never runs a
+# network other than the one ``nn`` defines.
+_BOOKKEEPING = {"name", "training", "quantize_disabled"}  # every MegEngine module's
+LOWERING = {
+    "UNet": dict(reads={"temb_dense0", "temb_dense1", "class_emb", "no_class", "conv_in", "down", "mid_block1",
+                        "mid_attn", "mid_block2", "up", "norm_out", "conv_out"},
+                 ignores={"config", "image_size", "model_channels", "num_classes", "time_embedding"}),
+    "DownLevel": dict(reads={"blocks", "attns", "downsample"}),
+    "UpLevel": dict(reads={"blocks", "attns", "upsample"}),
+    "ResBlock": dict(reads={"norm1", "conv1", "temb_proj", "norm2", "dropout", "conv2", "skip", "scale_shift"}),
+    "AttnBlock": dict(reads={"norm", "q", "k", "v", "proj_out", "num_heads"}),
+    "Downsample": dict(reads={"conv", "bottom_right"}),
+    "Upsample": dict(reads={"conv"}),  # nearest-neighbour 2x, then the convolution
+    "Conv2d": dict(reads={"weight", "bias", "stride", "padding"},
+                   ignores={"in_channels", "out_channels", "kernel_size"},
+                   supports={"groups": (1,), "dilation": ((1, 1),), "padding_mode": ("zeros",),
+                             "conv_mode": ("cross_correlation",), "output_padding": (0,),
+                             "compute_mode": ("default",)}),
+    "Linear": dict(reads={"weight", "bias"}, ignores={"in_features", "out_features"},
+                   supports={"compute_mode": ("default",)}),
+    "GroupNorm": dict(reads={"weight", "bias", "num_groups", "eps"}, ignores={"num_channels"},
+                      supports={"affine": (True,)}),
+    "Embedding": dict(reads={"weight"}, ignores={"num_embeddings", "embedding_dim", "freeze"},
+                      supports={"max_norm": (None,), "norm_type": (None,), "padding_idx": (None,)}),
+    "Dropout": dict(reads={"drop_prob"}),
+}
+
+
+class NotLowerable(ValueError):
+    """A module class, attribute or value of the network that the numpy pass has no kernel for (one line)."""
+
+
 def describe(module, params):
-    """``module`` as nested ``SimpleNamespace``s of its public attributes: sub-modules (also in lists) described
-    the same way, each ``Parameter`` of ``params`` as its index there, plain values (numbers, strings, tuples,
-    None) as they are."""
+    """``module`` as nested ``SimpleNamespace``s of the attributes ``LOWERING`` says the pass reads: sub-modules
+    (also in lists) described the same way, each ``Parameter`` of ``params`` as its index there, plain values
+    (numbers, strings, tuples, None) as they are. ``NotLowerable`` names the first class, attribute or value the
+    allowlist does not hold."""
     from megengine import Parameter
     from megengine.module import Module
 
     index = {id(p): i for i, p in enumerate(params)}
 
-    def convert(value):
+    def convert(value, where):
         if isinstance(value, Parameter):
             return index[id(value)]
         if isinstance(value, Module):
-            converted = {name: convert(v) for name, v in vars(value).items() if not name.startswith("_")}
-            return types.SimpleNamespace(**{name: v for name, v in converted.items() if v is not _SKIP})
+            return lower(value, where)
         if isinstance(value, list):
-            return [convert(v) for v in value]
+            return [convert(v, f"{where}[{i}]") for i, v in enumerate(value)]
         if value is None or isinstance(value, (bool, int, float, str, tuple)):
             return value
-        return _SKIP
+        raise NotLowerable(f"{where} is a {type(value).__name__}, which the CPU engine's numpy pass does not read")
 
-    return convert(module)
+    def lower(value, where):
+        kind = type(value).__name__
+        entry = LOWERING.get(kind)
+        if entry is None:
+            raise NotLowerable(f"{where} is a {kind}, a module the CPU engine's numpy pass has no kernel for "
+                               "(megdiffusion/cpu/numpy_unet.py LOWERING)")
+        read = {}
+        for name, attribute in vars(value).items():
+            if name.startswith("_") or name in _BOOKKEEPING or name in entry.get("ignores", ()):
+                continue
+            if name in entry.get("supports", {}):
+                if attribute not in entry["supports"][name]:
+                    raise NotLowerable(f"{kind}.{name}={attribute!r} ({where}) is not implemented by the CPU "
+                                       "engine's numpy pass (megdiffusion/cpu/numpy_unet.py LOWERING)")
+                continue
+            if name not in entry["reads"]:
+                raise NotLowerable(f"{kind}.{name} ({where}) is an attribute the CPU engine's numpy pass does not "
+                                   "implement (megdiffusion/cpu/numpy_unet.py LOWERING)")
+            read[name] = convert(attribute, f"{where}.{name}")
+        return types.SimpleNamespace(**read)
 
-
-_SKIP = object()
+    return convert(module, type(module).__name__)
 
 
 def unsupported(model):
