@@ -21,6 +21,7 @@ import types
 import numpy as np
 
 from megdiffusion.cpu import fused, onednn
+from megdiffusion.errors import MegdiffusionError
 
 
 # The allowlist of the pass: for each module class of the UNet (by exact class name: a subclass is another module),
@@ -54,7 +55,7 @@ LOWERING = {
 }
 
 
-class NotLowerable(ValueError):
+class NotLowerable(MegdiffusionError):
     """A module class, attribute or value of the network that the numpy pass has no kernel for (one line)."""
 
 
