@@ -238,4 +238,5 @@ def test_allow_changes_continues_with_new_training_settings_and_step_settings_ch
     assert continued["step"] == 2 and continued["config"]["lr"] == 0.001 and continued["config"]["microbatch"] == 4
     stepped = train(f"--logdir={run}", "--resume", "--total_steps=3", "--microbatch=2")
     assert stepped.returncode == 0, stepped.stderr
-    assert "note: --allow_changes" not in stepped.stderr
+    assert "note: --allow_changes" not in stepped.stderr  # the run now holds lr 0.001: nothing changes
+    assert "--allow_changes" not in (run / "flags.cfg").read_text()  # asked per resume, never kept in the run

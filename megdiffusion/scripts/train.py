@@ -24,6 +24,9 @@ from megdiffusion.training.config import define_flags, to_flagfile
 
 FLAGS = flags.FLAGS
 define_flags(FLAGS)
+flags.DEFINE_boolean("allow_changes", False, "With --resume: continue with other training settings than the run's "
+                     "(flips, dropout, lr, warmup, batch size, clipping, EMA, seed); refused without it, since the run "
+                     "would no longer equal an unbroken one. Asked anew at each resume, not kept in the run.")
 flags.adopt_module_key_flags(config)  # so that --help lists the training flags
 
 _SAMPLING = (lambda f: f.sample_every > 0 or f.fid_every > 0, "--sample_every or --fid_every (what samples with it)")
@@ -46,7 +49,7 @@ def main(argv):
         check_flags_matter(FLAGS, FLAG_NEEDS)
         cfg, images = config_from_flags(FLAGS)
         with megengine_failures("continue with the same command and --resume"):
-            train(cfg, images)
+            train(cfg, images, allow_changes=FLAGS.allow_changes)
 
 
 def read_recipe(argv):

@@ -224,11 +224,11 @@ def check_channels(stored, cfg, source, remedy):
                               f"have {cfg.image_channels}: {remedy}")
 
 
-def check_recipe(state, path, cfg):
+def check_recipe(state, path, cfg, allow_changes=False):
     """``CheckpointError`` unless checkpoint dict ``state`` (read from ``path``) can continue a run of ``cfg``:
     it holds an optimizer and data position, and was trained with the same network, maths and, unless
-    ``cfg.allow_changes``, training settings (``config.RESUME_REFUSES``); returns ``differences`` of the training
-    settings ``--allow_changes`` lets change."""
+    ``allow_changes`` (``train --allow_changes``), training settings (``config.RESUME_REFUSES``); returns
+    ``differences`` of the training settings ``allow_changes`` lets change."""
     if state["optimizer"] is None:
         raise CheckpointError(f"{path} holds weights only (no optimizer or data position); start a run from it "
                               "with --init_from")
@@ -240,7 +240,7 @@ def check_recipe(state, path, cfg):
                               f"({' '.join(recipe.values())}); use those flags, the run's flags.cfg or another "
                               "--logdir")
     training = differences(stored, cfg, names(role=TRAINING))
-    if training and not cfg.allow_changes:
+    if training and not allow_changes:
         raise CheckpointError(f"{path} was trained with different {', '.join(training)} "
                               f"({' '.join(training.values())}), and exact resume keeps them; use those flags, or "
                               "give --allow_changes to continue the run with the new ones")
@@ -268,8 +268,9 @@ def draw_scheme_of(state):
 
 
 def restore(state, path, trainer, loader):
-    """Load checkpoint dict ``state`` (read from ``path``) into ``trainer`` and ``loader`` (``check_recipe`` first)."""
-    check_recipe(state, path, trainer.cfg)
+    """Load checkpoint dict ``state`` (read from ``path``) into ``trainer`` and ``loader`` (``check_recipe`` first:
+    the network and maths; whether the training settings may change was ``check_logdir``'s question)."""
+    check_recipe(state, path, trainer.cfg, allow_changes=True)
     with trainer.state() as modules:
         load_weights(modules.model, state["model"], path)
         load_weights(modules.ema, state["ema"], path)

@@ -194,9 +194,6 @@ class TrainConfig:
     sample_order: Optional[int] = _flag(None, "The grids' solver order, for unipc (2 or 3); unset: its default.",
                                         role=RUN)
     resume: bool = _flag(False, "Continue from the newest loadable checkpoint in logdir.", role=RUN)
-    allow_changes: bool = _flag(False, "With --resume: continue with other training settings than the run's (flips, "
-                                "dropout, lr, warmup, batch size, clipping, EMA, seed); refused without it, since the "
-                                "run would no longer equal an unbroken one.", role=RUN)
     init_from: Optional[str] = _flag(None, "Start from the model and EMA weights of this checkpoint (a file, e.g. "
                                      "from scripts.convert, or a logdir's newest) with a new optimizer at step 0; "
                                      "its network flags must match. A logdir with checkpoints resumes instead.",

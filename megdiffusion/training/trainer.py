@@ -149,7 +149,7 @@ class Trainer:
                                   "with a lower --lr")
 
 
-def check_logdir(cfg, images=None):
+def check_logdir(cfg, images=None, allow_changes=False):
     """The checkpoint a run resumes from, ``(state, path)`` or None, checked before anything is written:
     ``CheckpointError`` for a fresh run on top of another run's checkpoints, a checkpoint of another recipe or of
     other data than ``images``, a run already past ``total_steps``, or ``--init_from`` weights that do not fit the
@@ -159,7 +159,7 @@ def check_logdir(cfg, images=None):
                                    "run or choose another --logdir")
     latest = ckpt.load_latest(cfg.logdir) if cfg.resume else None
     if latest is not None:
-        changed = ckpt.check_recipe(*latest, cfg)
+        changed = ckpt.check_recipe(*latest, cfg, allow_changes)
         if changed:
             now = " ".join(as_flag(name, getattr(cfg, name)) for name in changed)
             print(f"note: --allow_changes: the run continues with {now} (was {' '.join(changed.values())}), so it no "
@@ -380,17 +380,18 @@ def check_training(cfg):
     check_step_options(cfg)
 
 
-def train(cfg, images, progress=True, use_launcher=None):
+def train(cfg, images, progress=True, use_launcher=None, allow_changes=False):
     """Check the devices and the logdir, lock the logdir, write the run files, and train on one or more
     processes. Nothing is written before every check has passed.
 
     ``images`` (from ``config.resolve``) is used directly by a single process; launched workers
     each load the dataset themselves rather than receive a pickled copy. ``use_launcher``: see
-    ``distributed.launch``. Returns the step reached (a list, one per local rank, when launched).
+    ``distributed.launch``; ``allow_changes``: a resumed run may change its training settings (``check_logdir``).
+    Returns the step reached (a list, one per local rank, when launched).
     """
     check_training(cfg)
     with output_directory(cfg.logdir, "--logdir", RUN_MARKER):
-        latest = check_logdir(cfg, images)
+        latest = check_logdir(cfg, images, allow_changes)
         write_run_files(cfg)
         launched = distributed.is_multiprocess(cfg.num_gpus, cfg.world_size) if use_launcher is None else use_launcher
         args = (cfg, None, None, progress) if launched else (cfg, images, latest, progress)
