@@ -83,7 +83,7 @@ class FlatUpdate:
 
     def step(self, grad_norm, lr, max_norm, ema_decay):
         """Clip the gathered gradients to ``max_norm`` (``inf``: no clipping) given their norm, one Adam step
-        at ``lr``, the EMA update with ``ema_decay``; the new parameters go into the model."""
+        at ``lr``, the EMA update with ``ema_decay``, in the flat buffers (``write_params`` puts them in the model)."""
         f32 = np.float32
         one = f32(1)
         scale = min(f32(max_norm) / (f32(grad_norm) + f32(1e-6)), one)  # all float32, like MegEngine's
@@ -114,11 +114,16 @@ class FlatUpdate:
             np.multiply(e, decay, out=e)  # ema = ema * decay + param * (1 - decay)
             np.multiply(p, ema_weight, out=t_)
             np.add(e, t_, out=e)
+
+    def write_params(self):
+        """Write the weights into the model's parameters (the buffers hold the state; the model is a view)."""
         for param, value in zip(self.params, self._views(self.param)):
             assign_(param, megengine.tensor(value, device=param.device))
 
     def write_back(self):
-        """Write the EMA weights into the EMA model and the moments and step count into the optimizer."""
+        """Write the weights into the model, the EMA weights into the EMA model and the moments and step count into
+        the optimizer."""
+        self.write_params()
         for param, value in zip(self.ema_params, self._views(self.ema)):
             assign_(param, megengine.tensor(value, device=param.device))
         state = self.optimizer.state_dict(keep_var=True)

@@ -172,6 +172,10 @@ class _Engine:
         self.model, self.ema, self.optimizer = model, ema, optimizer
         self.params, self.ema_params = list(model.parameters()), list(ema.parameters())
 
+    def current_model(self):
+        """The network holding the current weights."""
+        return self.model
+
     def _set_lr(self, lr):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -184,13 +188,21 @@ class _Engine:
 
 class CpuEngine(_Engine):
     """The CPU engine: gradients from the numpy pass (``native_step``, a ``native.NativeStep``); clipping, Adam and the
-    EMA in numpy on flat buffers (``FlatUpdate``), which hold the state between steps. The network's weights are
-    written back after every update; the EMA's and Adam's only when the state is ``handed_over``."""
+    EMA in numpy on flat buffers (``FlatUpdate``), which own the state between steps: MegEngine's objects receive it
+    only when it is ``handed_over`` (checkpoints, grids, evaluations), and the network's weights when it is read
+    (``current_model``), not after every update."""
 
     def __init__(self, model, ema, optimizer, native_step):
         super().__init__(model, ema, optimizer)
         self.native_step = native_step
         self.flat = self._flat_update()
+        self.model_stale = False  # the flat weights moved since the network last received them
+
+    def current_model(self):
+        if self.model_stale:
+            self.flat.write_params()
+            self.model_stale = False
+        return self.model
 
     def _flat_update(self):
         return FlatUpdate(self.params, self.ema_params, self.optimizer)
@@ -206,6 +218,7 @@ class CpuEngine(_Engine):
         self._set_lr(lr)
         self.flat.step(gradients.norm, lr, max_norm, ema_decay)
         self.flat.grad = None
+        self.model_stale = True
 
     def discard(self):
         """Drop the last gradients without an update."""
@@ -214,6 +227,7 @@ class CpuEngine(_Engine):
     @contextlib.contextmanager
     def handed_over(self):
         self.flat.write_back()
+        self.model_stale = False
         yield Modules(self.model, self.ema, self.optimizer)
         self.flat = self._flat_update()
 

@@ -49,7 +49,8 @@ class Trainer:
     """The network, its EMA copy, the diffusion, the step count and the engine (``engine.make_engine``, chosen once:
     the CPU engine or MegEngine's), which owns the weights, the EMA and Adam's state; ``step(x0)`` does one update.
 
-    ``model`` holds the current weights after every step; the EMA and Adam's state are handed over by ``state()``.
+    ``model`` is the network with the current weights (made so when read); the EMA and Adam's state are handed over
+    by ``state()``.
     """
 
     def __init__(self, config: TrainConfig, world_size=1, rank=0, engine=None):
@@ -59,17 +60,21 @@ class Trainer:
         self.first_index = first_sample(config.batch_size, world_size, rank)
         self.draw_scheme = PER_SAMPLE  # a resumed run takes its checkpoint's (``checkpoint.restore``)
         mge.random.seed(config.seed)  # identical initial weights for a given seed
-        self.model = build_model(config)
+        model = build_model(config)
         if world_size > 1:
-            distributed.broadcast_from_rank0(self.model)
+            distributed.broadcast_from_rank0(model)
         ema = build_model(config)
-        ema.load_state_dict(self.model.state_dict())
+        ema.load_state_dict(model.state_dict())
         ema.eval()
         self.diffusion = build_diffusion(config)
-        self.engine = make_engine(config, self.model, ema, self.diffusion, world_size, engine)
+        self.engine = make_engine(config, model, ema, self.diffusion, world_size, engine)
         self.scaler = LossScaler() if config.amp else None
         self.step_count = 0
         self.recomputed_steps = 0  # steps whose gradients came out non-finite once, then finite (``step``)
+
+    @property
+    def model(self):
+        return self.engine.current_model()
 
     def state(self):
         """A context manager: the ``engine.Modules`` (model, EMA, optimizer) holding the run's state, to read or
