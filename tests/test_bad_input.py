@@ -807,10 +807,12 @@ def test_an_interrupted_sample_ends_in_one_line_with_workers_silent(shared, tmp_
     ``error:`` line and nothing from the worker processes, every image written whole and no temporary file left."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = tmp_path / "out"
+    # Ctrl-C's default, as a terminal's foreground command has it: a suite started in the background (``&``) hands
+    # its commands SIGINT ignored, and a command keeps that, as Python and the shell's convention want.
     process = subprocess.Popen([sys.executable, "-m", "megdiffusion.scripts.sample", f"--ckpt={shared / 'run'}",
                                 f"--output={out}", "--num_images=100000", "--batch_size=16", "--sampler=ddim",
                                 "--steps=2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while len(list(out.glob("*.png"))) < 32 and time.monotonic() < deadline and process.poll() is None:
         time.sleep(0.05)

@@ -1,4 +1,7 @@
 """Output directories: checked before anything is written, locked while a command writes in them."""
+import os
+from pathlib import Path
+
 import pytest
 
 from megdiffusion.files.disk import OutputError, atomic_write, check_writable, output_directory, write_text
@@ -79,3 +82,29 @@ def test_leftovers_of_killed_writes_are_removed_and_writes_in_progress_kept(tmp_
         fileio.write_text(tmp_path / "out.txt", "done")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [f"{fileio.TEMPORARY}alive", ".tmp-not-ours", "out.txt"])
+
+
+def test_an_interrupt_between_the_renames_of_a_directory_puts_the_original_back(tmp_path, monkeypatch):
+    """``atomic_directory`` over an existing directory moves it aside, then renames the new one in: an interrupt
+    (SIGTERM raises in the main thread) between the two leaves the original where it was, and no temporary."""
+    from megdiffusion.files import disk
+
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "kept.txt").write_text("original")
+    real_replace = os.replace
+    calls = []
+
+    def interrupted_second_rename(source, destination):
+        calls.append(destination)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real_replace(source, destination)
+
+    monkeypatch.setattr(disk.os, "replace", interrupted_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        with disk.atomic_directory(target) as new:
+            (Path(new) / "new.txt").write_text("new")
+    monkeypatch.setattr(disk.os, "replace", real_replace)
+    assert (target / "kept.txt").read_text() == "original" and not (target / "new.txt").exists()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(disk.TEMPORARY)]

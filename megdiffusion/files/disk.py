@@ -85,15 +85,13 @@ def atomic_write(path, mode="wb"):
     over ``path``. On any error the temporary file is removed and ``path`` is left as it was; an ``OSError``
     names ``path``, not the temporary file."""
     directory = os.path.dirname(os.path.abspath(path))
-    try:
+    before = tmp = None
+    try:  # one block from the temporary file's creation on: an interrupt anywhere in it (SIGTERM too) removes it
         os.makedirs(directory, exist_ok=True)
         remove_leftovers(directory)
         before = os.stat(directory)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=TEMPORARY)
         fcntl.flock(fd, fcntl.LOCK_EX)  # a file in use, not a leftover; released when closed
-    except OSError as err:
-        raise OSError(err.errno, f"cannot write: {err.strerror}", str(path)) from None
-    try:
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; give the usual permissions
         with os.fdopen(fd, mode) as f:
             yield f
@@ -101,9 +99,11 @@ def atomic_write(path, mode="wb"):
             os.fsync(f.fileno())
             os.replace(tmp, path)  # still locked: never taken for a leftover
     except BaseException as err:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        _set_times(directory, before)  # no trace left, the directory's modification time included
+        if tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+        if before is not None:
+            _set_times(directory, before)  # no trace left, the directory's modification time included
         if isinstance(err, OSError):
             raise OSError(err.errno, f"cannot write: {err.strerror or err}", str(path)) from None
         raise
@@ -114,25 +114,32 @@ def atomic_directory(path):
     """Yield a new temporary directory beside ``path`` to fill; on success it takes ``path``'s place (an existing
     ``path`` is replaced whole), on any error it is removed and ``path`` is left as it was."""
     parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    remove_leftovers(parent)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=TEMPORARY)
-    lock = _locked(tmp)
-    try:
+    tmp = lock = moved = None
+    try:  # one block from the temporary directory's creation on: an interrupt anywhere in it (SIGTERM too) undoes it
+        os.makedirs(parent, exist_ok=True)
+        remove_leftovers(parent)
+        tmp = tempfile.mkdtemp(dir=parent, prefix=TEMPORARY)
+        lock = _locked(tmp)
         os.chmod(tmp, 0o777 & ~_umask())
         yield tmp
+        old = None
         if os.path.lexists(path):
             old = tempfile.mkdtemp(dir=parent, prefix=".old-")
-            os.replace(path, os.path.join(old, "replaced"))
-            os.replace(tmp, path)
+            moved = os.path.join(old, "replaced")
+            os.replace(path, moved)
+        os.replace(tmp, path)
+        tmp = None
+        if old is not None:
             shutil.rmtree(old)
-        else:
-            os.replace(tmp, path)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if moved is not None and os.path.lexists(moved) and not os.path.lexists(path):
+            os.replace(moved, path)  # interrupted between the two renames: the original goes back
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        os.close(lock)
+        if lock is not None:
+            os.close(lock)
 
 
 def _umask():
