@@ -164,26 +164,25 @@ class GroupWorkers:
             if self.grads is None or len(self.grads) < len(remote):
                 self._map_buffers(len(remote))
             np.copyto(self.weights, flat_weights)
+        worker = {index: self.connections[index % processes - 1] for index in remote}  # group index -> its socket
         results = {}
         with one_blas_thread():
             for start in range(0, len(groups), processes):
                 wave = range(start, min(start + processes, len(groups)))
                 for index in wave[1:]:
-                    self._send(self.connections[index % processes - 1], ("forward", slot[index], groups[index]))
+                    self._send(worker[index], ("forward", slot[index], groups[index]))
                 buffer = self._local_buffer(start // processes)
                 buffer.fill(0)
                 output, backward = numpy_unet.training_pass(self.model, self.views, _views(buffer, self.shapes),
                                                             *groups[start])
-                outputs = {start: output}
-                for index in wave[1:]:
-                    outputs[index] = self._receive(self.connections[index % processes - 1])
+                outputs = {start: output, **{index: self._receive(worker[index]) for index in wave[1:]}}
                 heads = {index: head(index, outputs[index]) for index in wave}
                 for index in wave[1:]:
-                    self._send(self.connections[index % processes - 1], ("backward", slot[index], heads[index][1]))
+                    self._send(worker[index], ("backward", slot[index], heads[index][1]))
                 backward(heads[start][1])
                 results[start] = heads[start][0], buffer
                 for index in wave[1:]:
-                    self._receive(self.connections[index % processes - 1])
+                    self._receive(worker[index])
                     results[index] = heads[index][0], self.grads[slot[index]]
         return [results[index] for index in range(len(groups))]
 
@@ -191,7 +190,6 @@ class GroupWorkers:
         """The network's output (NCHW) for each group in ``groups`` ([(x NCHW, temb_in)]) at ``flat_weights``: an
         array taken as unchanged when it was the last one given here (``NativeModel``'s weights, fixed), so that
         sampling copies the weights to the workers and prepares them for oneDNN once, not at every call."""
-
         processes = min(len(self.connections) + 1, len(groups))
         jobs = [list(range(p, len(groups), processes)) for p in range(processes)]
         self._use_weights(flat_weights, fixed=True)

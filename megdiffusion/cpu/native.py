@@ -14,7 +14,7 @@ import numpy as np
 from megdiffusion.cpu.batch_threads import THREADS
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.cpu.group_workers import GroupWorkers
-from megdiffusion.cpu import fused, numpy_unet
+from megdiffusion.cpu import fused, numpy_unet, onednn
 from megdiffusion.cpu.choice import cpu_engine_enabled
 from megdiffusion import environment
 
@@ -31,14 +31,18 @@ def enabled():
     return cpu_engine_enabled() and environment.read(ENV_VAR, True)
 
 
-def unsupported(model, diffusion, world_size):
-    """Why ``NativeStep`` cannot train this setup (one phrase), or None when it can."""
+def unsupported(model, world_size):
+    """Why ``NativeStep`` cannot train ``model`` over ``world_size`` processes (one phrase), or None when it can: every
+    loss trains (it is the diffusion's own), so only the network and the machine decide."""
     if world_size > 1:
         return "gradients are averaged across processes by MegEngine"
+    if not onednn.available():
+        return "oneDNN is not available"
     try:
-        return numpy_unet.unsupported(numpy_unet.describe(model, list(model.parameters())))
+        numpy_unet.describe(model, list(model.parameters()))
     except numpy_unet.NotLowerable as err:
         return str(err)
+    return None
 
 
 def _groups(n):
@@ -61,7 +65,7 @@ class NativeStep:
 
     def __init__(self, model, diffusion, params):
         self.model = numpy_unet.describe(model, params)
-        self.timestep_input, self.num_classes = model.timestep_input, model.num_classes
+        self.timestep_input = model.timestep_input
         fused.note_if_missing()
         self.diffusion = diffusion
         self.shapes = [tuple(p.shape) for p in params]
@@ -136,13 +140,12 @@ class NativeModel:
     @staticmethod
     def for_sampling(model):
         """A ``NativeModel`` of ``model`` (a ``UNet``) where it runs (with the CPU engine), else ``model`` itself."""
-        if not enabled():
+        if not enabled() or not onednn.available():
             return model
         try:
-            native = NativeModel(model)
+            return NativeModel(model)
         except numpy_unet.NotLowerable:  # a network the pass has no kernel for: MegEngine computes it
             return model
-        return model if numpy_unet.unsupported(native.model) else native
 
     def __call__(self, x, t, y=None):
         x = x.numpy()

@@ -104,13 +104,6 @@ def describe(module, params):
     return convert(module, type(module).__name__)
 
 
-def unsupported(model):
-    """Why this pass cannot run ``model`` (a ``describe``d UNet; one phrase), or None when it can."""
-    if not onednn.available():
-        return "oneDNN is not available"
-    return None
-
-
 def _serial(count, work):
     work(slice(0, count))
 

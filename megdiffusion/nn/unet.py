@@ -93,40 +93,37 @@ class UNet(M.Module):
             raise TypeError("UNet takes a UNetConfig or its fields as keywords, not both")
         super().__init__()
         self.config = config = config or UNetConfig(**options)  # a UNetConfig checks itself when made
-        (in_channels, model_channels, out_channels, channel_mult, num_res_blocks, attention_resolutions, dropout,
-         image_size) = (config.in_channels, config.model_channels, config.out_channels, config.channel_mult,
-                        config.num_res_blocks, config.attention_resolutions, config.dropout, config.image_size)
-        self.model_channels = model_channels
-        self.image_size = image_size
+        self.model_channels = config.model_channels
+        self.image_size = config.image_size
         self.time_embedding = config.time_embedding
         self.no_class = NO_CLASS  # the label that adds no class embedding, for readers of the module tree (cpu/)
         norm = functools.partial(group_norm, groups=config.norm_groups, eps=config.norm_eps)
-        block = functools.partial(ResBlock, dropout=dropout, norm=norm, scale_shift=config.use_scale_shift_norm)
+        block = functools.partial(ResBlock, dropout=config.dropout, norm=norm, scale_shift=config.use_scale_shift_norm)
 
         def attention(channels):
             return AttnBlock(channels, norm, attention_heads(channels, config.num_heads, config.num_head_channels))
 
-        temb_channels = 4 * model_channels
-        self.temb_dense0 = linear(model_channels, temb_channels)
+        temb_channels = 4 * config.model_channels
+        self.temb_dense0 = linear(config.model_channels, temb_channels)
         self.temb_dense1 = linear(temb_channels, temb_channels)
-        self.conv_in = conv2d(in_channels, model_channels)
+        self.conv_in = conv2d(config.in_channels, config.model_channels)
 
         # Channel count of every tensor the down path hands to the up path, in order.
-        skip_channels = [model_channels]
-        channels = model_channels
+        skip_channels = [config.model_channels]
+        channels = config.model_channels
         self.down = []
-        for level, mult in enumerate(channel_mult):
-            resolution = image_size // 2 ** level
+        for level, mult in enumerate(config.channel_mult):
+            resolution = config.image_size // 2 ** level
             blocks, attns = [], []
-            for _ in range(num_res_blocks):
-                out = model_channels * mult
+            for _ in range(config.num_res_blocks):
+                out = config.model_channels * mult
                 blocks.append(block(channels, out, temb_channels))
                 channels = out
-                if resolution in attention_resolutions:
+                if resolution in config.attention_resolutions:
                     attns.append(attention(channels))
                 skip_channels.append(channels)
             downsample = None
-            if level != len(channel_mult) - 1:
+            if level != len(config.channel_mult) - 1:
                 downsample = Downsample(channels, config.downsample_padding)
                 skip_channels.append(channels)
             self.down.append(DownLevel(blocks, attns, downsample))
@@ -136,21 +133,21 @@ class UNet(M.Module):
         self.mid_block2 = block(channels, channels, temb_channels)
 
         up_levels = []
-        for level, mult in reversed(list(enumerate(channel_mult))):
-            resolution = image_size // 2 ** level
+        for level, mult in reversed(list(enumerate(config.channel_mult))):
+            resolution = config.image_size // 2 ** level
             blocks, attns = [], []
-            for _ in range(num_res_blocks + 1):
-                out = model_channels * mult
+            for _ in range(config.num_res_blocks + 1):
+                out = config.model_channels * mult
                 blocks.append(block(channels + skip_channels.pop(), out, temb_channels))
                 channels = out
-                if resolution in attention_resolutions:
+                if resolution in config.attention_resolutions:
                     attns.append(attention(channels))
             up_levels.append(UpLevel(blocks, attns, Upsample(channels) if level != 0 else None))
         assert not skip_channels
         self.up = up_levels[::-1]  # indexed by level, like down; forward walks it in reverse
 
         self.norm_out = norm(channels)
-        self.conv_out = conv2d(channels, out_channels or in_channels, init_scale=0.0)
+        self.conv_out = conv2d(channels, config.out_channels or config.in_channels, init_scale=0.0)
         self.num_classes = config.num_classes
         self.class_emb = M.Embedding(config.num_classes, temb_channels) if config.num_classes else None
 

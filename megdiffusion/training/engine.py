@@ -331,14 +331,14 @@ def check_step_options(cfg, engine=None):
                           "MEGDIFFUSION_FAST_CONV=0 to use MegEngine's (slow) CPU kernels")
 
 
-def choose_engine(model, diffusion, world_size):
+def choose_engine(model, world_size):
     """``(engine, why)``: the engine a run takes on this machine (one of ``ENGINES``) and, where the CPU engine is
     chosen (``cpu.choice``) but cannot run the setup, why not (``native.unsupported``), else None."""
     if not cpu_engine_enabled():
         return "megengine", None
     if not native.enabled():
         return "megengine", f"{native.ENV_VAR}=0"
-    why = native.unsupported(model, diffusion, world_size)
+    why = native.unsupported(model, world_size)
     return ("megengine", why) if why else ("numpy", None)
 
 
@@ -348,7 +348,7 @@ def make_engine(cfg, model, ema, diffusion, world_size=1, engine=None):
     gradients are averaged over ``world_size`` processes."""
     check_step_options(cfg, engine)  # by the machine when the engine is chosen here: --amp not on the CPU path
     if engine is None:
-        engine, why = choose_engine(model, diffusion, world_size)
+        engine, why = choose_engine(model, world_size)
         if why:
             print(f"note: the CPU engine does not run this setup ({why}); MegEngine's autodiff trains it, slower",
                   file=sys.stderr)
