@@ -200,10 +200,9 @@ def sample_to_directory(model, diffusion, image_shape, output, num_images, seed,
     one batch and a rerun continues where it stopped.
     """
     todo = missing_indices(output, num_images, rank, world_size)
-    bar = progress_bar(total=len(todo), unit="img", desc=f"sampling ({sampler})",
-                       disable=not (progress and todo and rank == 0))
     if not todo:
         return 0
+    bar = progress_bar(total=len(todo), unit="img", desc=f"sampling ({sampler})", disable=not (progress and rank == 0))
     with bar, sampling_networks(model, guidance) as (network, guidance):  # the workers start once, not per batch
         for start in range(0, len(todo), batch_size):
             chunk = todo[start:start + batch_size]
