@@ -375,6 +375,8 @@ CASES = [
     ("56:resume-changing-batch-and-seed-by-flagfile", "train", ["--flagfile=run/flags.cfg", "--logdir=run", "--resume",
                                                                  "--batch_size=2", "--seed=5"],
      "was trained with different batch_size, seed (--batch_size=8 --seed=0), and exact resume keeps them"),
+    ("56:allow-changes-not-boolean", "train", ["--logdir=run", "--resume", "--allow_changes=maybe"],
+     "flag --allow_changes=maybe: ('Non-boolean argument to boolean flag', 'maybe')"),
     ("56:resume-changing-the-network-even-when-allowed", "train", ["--logdir=run", "--resume", "--allow_changes",
                                                                    "--num_res_blocks=2"],
      "was trained with different num_res_blocks (--num_res_blocks=1); use those flags"),

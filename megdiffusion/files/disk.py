@@ -7,6 +7,7 @@ that directory removes it."""
 import contextlib
 import fcntl
 import os
+import secrets
 import shutil
 import stat
 import tempfile
@@ -90,9 +91,12 @@ def atomic_write(path, mode="wb"):
         os.makedirs(directory, exist_ok=True)
         remove_leftovers(directory)
         before = os.stat(directory)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=TEMPORARY)
+        fd = None
+        while fd is None:  # the name is known before the file exists, so an interrupt after its creation removes it
+            tmp = os.path.join(directory, TEMPORARY + secrets.token_hex(6))
+            with contextlib.suppress(FileExistsError):
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any file
         fcntl.flock(fd, fcntl.LOCK_EX)  # a file in use, not a leftover; released when closed
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; give the usual permissions
         with os.fdopen(fd, mode) as f:
             yield f
             f.flush()
