@@ -8,6 +8,8 @@ import pytest
 import scipy.linalg
 from PIL import Image
 
+from megdiffusion.data.sources import DatasetError
+from megdiffusion.data.spec import FORMS, DataSpec
 from megdiffusion.metrics import fid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -180,10 +182,10 @@ def test_features_round_trip_through_the_statistics_file(tmp_path):
 
 
 def test_bad_sources_are_reported(tmp_path):
-    with pytest.raises(fid.FIDError, match="is not a directory"):
+    with pytest.raises(DatasetError, match="missing' does not exist; give a folder of images"):
         fid.statistics_for_source(str(tmp_path / "missing"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(fid.FIDError, match=r"no images \(.png, .jpg, .jpeg, .bmp, .webp"):
+    with pytest.raises(DatasetError, match=r"no images \(.png, .jpg, .jpeg, .bmp, .webp"):
         fid.statistics_for_source(str(tmp_path / "empty"))
     with pytest.raises(fid.FIDError, match="fewer than --num_images"):
         fid.statistics_for_source("fashion_mnist", num_images=20_000)
@@ -244,8 +246,7 @@ def test_cli_save_stats_and_bad_input(tmp_path):
     bad = _run_cli(str(tmp_path / "nothing_here"), "fashion_mnist", env_extra=env)
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip().splitlines() == [
-        f"error: '{tmp_path / 'nothing_here'}' is not a directory of images, a prepared dataset, an .npz file, "
-        "'fashion_mnist' or 'cifar10:DIR'"]
+        f"error: '{tmp_path / 'nothing_here'}' does not exist; give {FORMS}"]
     missing_weights = _run_cli("--inception_weights", str(tmp_path / "none.pt"), "fashion_mnist",
                                "fashion_mnist", "--num_images", "4", env_extra=env)
     assert missing_weights.returncode == 2
@@ -322,12 +323,12 @@ def test_a_prepared_file_and_a_folder_at_image_size_are_the_training_pixels(tmp_
     for i in range(4):
         Image.fromarray(rng.integers(0, 256, (12 + i, 20, 3), dtype=np.uint8)).save(tmp_path / "folder" / f"{i}.png")
     prepare(FolderSource(tmp_path / "folder"), tmp_path / "set.data", 8, workers=0)
-    prepared = fid.images_for_source(str(tmp_path / "set.data"))
-    streamed = fid.images_for_source(str(tmp_path / "folder"), image_size=8)
+    prepared = DataSpec.parse(str(tmp_path / "set.data")).images()
+    streamed = DataSpec.parse(str(tmp_path / "folder")).images(image_size=8)
     np.testing.assert_array_equal(prepared, streamed[np.arange(4)])
     np.testing.assert_array_equal(prepared, ImageFolder(tmp_path / "folder", 8)[np.arange(4)])
-    with pytest.raises(fid.FIDError, match="holds 8x8 images, not --image_size 16"):
-        fid.images_for_source(str(tmp_path / "set.data"), image_size=16)
+    with pytest.raises(DatasetError, match="holds 8x8 images, not --image_size 16"):
+        DataSpec.parse(str(tmp_path / "set.data")).images(image_size=16)
 
 
 def test_cli_floor_scores_two_disjoint_halves(tmp_path):

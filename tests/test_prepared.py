@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from megdiffusion.data.datasets import ImageFolder, load_dataset, load_labels, source_for
+from megdiffusion.data.datasets import ImageFolder, load_dataset, load_labels
+from megdiffusion.data.spec import DataSpec
 from megdiffusion.data.prepared import PreparedDataset, checksum, is_prepared, prepare, read_record
 from megdiffusion.data.sources import ArraySource, DatasetError, FolderSource
 from megdiffusion.training.checkpoint import CheckpointError, load_latest
@@ -66,12 +67,12 @@ def test_prepare_keeps_the_folder_pixels_labels_and_record(tmp_path):
 def test_prepare_reads_arrays_with_their_labels(tmp_path):
     images = np.random.default_rng(1).integers(0, 256, (10, 6, 6, 1), dtype=np.uint8)
     np.savez(tmp_path / "x.npz", arr_0=images, arr_1=np.arange(10) % 4)
-    record = prepare(source_for(str(tmp_path / "x.npz")), tmp_path / "x.data", 6, workers=0)
+    record = prepare(DataSpec.parse(str(tmp_path / "x.npz")).source(), tmp_path / "x.data", 6, workers=0)
     assert record["channels"] == 1 and record["has_labels"]
     prepared = PreparedDataset(tmp_path / "x.data")
     np.testing.assert_array_equal(prepared.images, images)
     np.testing.assert_array_equal(prepared.labels, np.arange(10) % 4)
-    prepare(source_for(str(tmp_path / "x.npz"), labels="none"), tmp_path / "y.data", 4, workers=0)
+    prepare(DataSpec.parse(str(tmp_path / "x.npz")).source(labels="none"), tmp_path / "y.data", 4, workers=0)
     resized = PreparedDataset(tmp_path / "y.data")
     assert resized.labels is None and resized.images.shape == (10, 4, 4, 1)
     np.testing.assert_array_equal(resized.images, load_dataset("npz", str(tmp_path / "x.npz"), image_size=4))

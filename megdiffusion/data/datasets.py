@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 
 from megdiffusion.data.prepared import PreparedDataset, is_prepared, read_record
-from megdiffusion.data.sources import CROP_RULE, IMAGE_EXTENSIONS, ArraySource, DatasetError, FolderSource, \
-    LmdbSource, check_files, decode_array, decode_file, image_paths, is_lmdb, subfolder_classes
+from megdiffusion.data.sources import CROP_RULE, IMAGE_EXTENSIONS, DatasetError, check_files, decode_array, \
+    decode_file, image_paths, is_lmdb, subfolder_classes
 from megdiffusion.errors import one_line
-from megdiffusion.files.disk import check_not_special, read_npz
+from megdiffusion.files.disk import read_npz
 from megdiffusion.files.torch_archive import load_array_pickle
 
 ASSETS = Path(__file__).parent / "assets"
@@ -186,7 +186,7 @@ def _folder(path, image_size):
     if is_lmdb(path):
         raise DatasetError(f"--data_path {path} is an LMDB database (LSUN's), not a folder of images: train with "
                            f"--data_path DEST after python -m megdiffusion.scripts.prepare {path} DEST --image_size N")
-    other = _array_dataset(Path(path))
+    other = array_dataset(Path(path))
     if other:
         raise DatasetError(f"--data_path {path} holds {other}'s files, not a folder of images: use --dataset {other}")
     if not image_size:
@@ -319,40 +319,7 @@ def load_dataset(name, path=None, image_size=None, resumed=False):
     return images
 
 
-def source_for(spec, labels="auto"):
-    """The ``sources.Source`` that ``spec`` names, for ``prepare``: "fashion_mnist" (the embedded split), a
-    directory (LSUN's LMDB, CIFAR-10's python batches, Fashion-MNIST's idx files, else a folder of images), an LMDB
-    data file, an npz (``arr_0``, labels ``arr_1``) or an idx images file. ``labels``: "auto" keeps the labels the
-    source has (CIFAR-10's, an npz's ``arr_1``, the idx labels file beside the images; a folder has none),
-    "subfolders" takes a folder's first-level subfolders as classes, "none" drops them."""
-    check_not_special(spec)
-    path = Path(spec)
-    if labels == "subfolders" and not (path.is_dir() and not _array_dataset(path) and not is_lmdb(path)):
-        raise DatasetError(f"--labels subfolders takes classes from a folder's subfolders; {spec} is not a folder of "
-                           "images")
-    if is_lmdb(path):
-        return LmdbSource(spec)
-    name = _array_dataset(path) if spec != "fashion_mnist" else "fashion_mnist"
-    if name is None and path.is_dir():
-        return FolderSource(spec, labels=labels == "subfolders")
-    if name is None:
-        raise DatasetError(f"{spec} is not a folder of images, an LMDB, CIFAR-10's python batches, Fashion-MNIST's "
-                           "idx files, an .npz of uint8 NHWC images or 'fashion_mnist'")
-    location = None if spec == "fashion_mnist" else spec
-    images = load_dataset(name, location)
-    kept = None
-    if labels == "auto" and (name != "npz" or "arr_1" in read_npz(spec)):
-        try:
-            kept = load_labels(name, location)
-        except DatasetError:
-            if name != "fashion_mnist":  # idx images without their labels file are images without labels
-                raise
-    if kept is not None and len(kept) != len(images):
-        raise DatasetError(f"{spec} has {len(images)} images but {len(kept)} labels")
-    return ArraySource(images, kept, f"{name} {os.path.abspath(spec) if location else '(embedded test split)'}")
-
-
-def _array_dataset(path):
+def array_dataset(path):
     """The dataset name of a source held as arrays ("cifar10", "fashion_mnist", "npz"), or None."""
     if path.is_dir():
         if (path / "data_batch_1").is_file() or (path / "cifar-10-batches-py").is_dir():

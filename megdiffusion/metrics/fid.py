@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 
 from megdiffusion.errors import MegdiffusionError
-from megdiffusion.files.disk import check_not_special, read_npz, save_npz
+from megdiffusion.files.disk import read_npz, save_npz
 from megdiffusion.metrics import FEATURE_DIM, INPUT_SIZE
 
 
@@ -255,36 +255,6 @@ def load_statistics(path):
     return stats
 
 
-def images_for_source(spec, image_size=None):
-    """The images named by ``spec``: a directory of images (recursive, read lazily), a prepared dataset file
-    (``scripts.prepare``; read as needed), an npz with uint8 NHWC ``arr_0``, "fashion_mnist" (the embedded split) or
-    "fashion_mnist:DIR", or "cifar10:DIR" (python batches, train split). With ``image_size``, every image is
-    centre-cropped and resized to it as training does (``sources.fit_square``; a prepared file must be of that
-    size). Returns a uint8 NHWC array (or ``PreparedImages``) or a ``datasets.ImageFolder``.
-    """
-    from megdiffusion.data.datasets import DatasetError, ImageFolder, load_dataset
-    from megdiffusion.data.prepared import is_prepared
-
-    name, _, path = spec.partition(":")
-    if name == "cifar10" and not path and not os.path.exists(spec):
-        raise FIDError(f"{spec!r} names no directory: write cifar10:DIR, DIR holding the CIFAR-10 python batches "
-                       "(data_batch_1 .. data_batch_5)")
-    try:
-        if name in ("fashion_mnist", "cifar10") and not os.path.exists(spec):
-            return load_dataset(name, path or None, image_size)
-        if os.path.isdir(spec):
-            return ImageFolder(spec, image_size)
-        if os.path.isfile(spec) and is_prepared(spec):
-            return load_dataset("prepared", spec, image_size)
-        if spec.endswith(".npz") and os.path.isfile(spec):
-            return load_dataset("npz", spec, image_size)
-    except DatasetError as exc:
-        raise FIDError(str(exc)) from None
-    check_not_special(spec)
-    raise FIDError(f"{spec!r} is not a directory of images, a prepared dataset, an .npz file, 'fashion_mnist' or "
-                   "'cifar10:DIR'")
-
-
 def random_subset(images, count, seed, skip=0):
     """``count`` of ``images`` drawn without replacement by ``seed`` (in their order), after the first ``skip`` of the
     same draw: disjoint for disjoint ranges. Lazy (``datasets.Subset``) for images not in memory."""
@@ -307,15 +277,17 @@ def _is_statistics_file(spec):
 
 def open_source(spec, num_images=None, need_features=False, image_size=None, seed=0):
     """The source ``spec`` names, checked before any network pass: a statistics npz's :class:`Statistics` (read and
-    checked; with ``need_features`` it must hold features), or else the images :func:`images_for_source` finds (at
+    checked; with ``need_features`` it must hold features), or else the images ``DataSpec.parse(spec)`` names (at
     ``image_size``; ``num_images`` of them drawn at random by ``seed``, ``random_subset``), not yet read."""
+    from megdiffusion.data.spec import DataSpec
+
     if _is_statistics_file(spec):
         stats = load_statistics(spec)
         if need_features and stats.features is None:
             raise FIDError(f"{spec} holds only mu and sigma; KID and precision/recall need the features: make it with "
                            "--save_stats --save_features")
         return stats
-    images = images_for_source(spec, image_size)
+    images = DataSpec.parse(spec).images(image_size)
     if num_images is not None:
         if num_images > len(images):
             raise FIDError(f"{spec} has {len(images)} images, fewer than --num_images={num_images}")
@@ -333,7 +305,7 @@ def statistics_of_source(source, batch_size=50, progress=False, weights_path=Non
 
 def statistics_for_source(spec, batch_size=50, num_images=None, progress=False, weights_path=None,
                           keep_features=False, image_size=None, seed=0):
-    """:class:`Statistics` for a source spec: a statistics npz is read as is; anything :func:`images_for_source`
+    """:class:`Statistics` for a source spec: a statistics npz is read as is; anything ``DataSpec``
     accepts is run through the network (``num_images`` of them at random, ``open_source``)."""
     return statistics_of_source(open_source(spec, num_images, keep_features, image_size, seed), batch_size, progress,
                                 weights_path, keep_features)

@@ -107,12 +107,13 @@ def model_scores(reference_spec, metrics):
 
 def floor_lines(paths, metrics):
     """``metrics`` between two disjoint random halves of the one image source in ``paths``, as lines."""
-    from megdiffusion.metrics.fid import images_for_source, random_subset
+    from megdiffusion.data.spec import DataSpec
+    from megdiffusion.metrics.fid import random_subset
 
     if len(paths) != 1 or FLAGS.save_stats:
         raise UsageError(f"--floor scores one image source against itself: give one PATH and no --save_stats; got "
                          f"{len(paths)} PATHs{' and --save_stats' if FLAGS.save_stats else ''}")
-    images = images_for_source(paths[0], FLAGS.image_size)
+    images = DataSpec.parse(paths[0]).images(FLAGS.image_size)
     half = FLAGS.num_images or len(images) // 2
     if 2 * half > len(images):
         raise UsageError(f"--floor draws two disjoint sets of --num_images={half}; {paths[0]} has {len(images)} "

@@ -29,9 +29,9 @@ flags.adopt_module_key_flags(shared_flags)
 
 def _images(spec, image_shape, num_images):
     """The first ``num_images`` images of ``spec``, checked to have the model's (C, H, W)."""
-    from megdiffusion.metrics.fid import images_for_source
+    from megdiffusion.data.spec import DataSpec
 
-    images = images_for_source(spec)
+    images = DataSpec.parse(spec).images()
     count = len(images) if num_images is None else num_images
     if count > len(images):
         raise UsageError(f"{spec} has {len(images)} images, fewer than --num_images={num_images}")

@@ -33,17 +33,15 @@ flags.adopt_module_key_flags(shared_flags)
 
 
 def main(argv):
-    from megdiffusion.data.datasets import source_for
     from megdiffusion.data.prepared import prepare
+    from megdiffusion.data.spec import DataSpec
 
     with one_line_errors():
         if len(argv) != 3:
             raise UsageError(f"expected two arguments, SRC DEST; got {len(argv) - 1}")
         src, dest = argv[1:]
         check_not_input(dest, "DEST", src)
-        if not os.path.exists(src) and src != "fashion_mnist":
-            raise UsageError(f"SRC {src} does not exist")
-        source = source_for(src, FLAGS.labels)
+        source = DataSpec.parse(src).source(FLAGS.labels)
         size = FLAGS.image_size or _one_size(source)
         if not size:
             raise UsageError(f"give --image_size (the training resolution) to prepare {src}: its images are decoded "

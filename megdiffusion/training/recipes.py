@@ -3,7 +3,8 @@ names, or with ``--resume --logdir RUN`` the config of RUN's newest checkpoint."
 import os
 
 from megdiffusion.data.prepared import is_prepared, read_record
-from megdiffusion.data.sources import IMAGE_EXTENSIONS
+from megdiffusion.data.spec import DataSpec
+from megdiffusion.errors import MegdiffusionError
 from megdiffusion.training.checkpoint import config_of, load_latest
 from megdiffusion.training.config import CONFIGS, CPU_RECIPE, ConfigError, names
 
@@ -74,12 +75,9 @@ def default_flagfile(argv):
 
 
 def _has_images(path):
-    """Whether ``path`` is an npz file or a directory with at least one image file (found without a full walk)."""
-    if path is None:
+    """Whether ``path`` names one's own images: an npz, or a folder holding an image file."""
+    try:
+        spec = DataSpec.parse(path) if path is not None else None
+    except MegdiffusionError:
         return False
-    if os.path.isfile(path):
-        return path.endswith(".npz")
-    for _, _, files in os.walk(path):
-        if any(name.lower().endswith(IMAGE_EXTENSIONS) for name in files):
-            return True
-    return False
+    return spec is not None and (spec.kind == "npz" or (spec.kind == "folder" and spec.has_images()))
