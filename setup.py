@@ -51,6 +51,7 @@ setup(
             "megdiffusion-nll=megdiffusion.scripts.nll:run",
             "megdiffusion-prepare=megdiffusion.scripts.prepare:run",
             "megdiffusion-export=megdiffusion.scripts.export:run",
+            "megdiffusion-posthoc-ema=megdiffusion.scripts.posthoc_ema:run",
         ]
     },
 )

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megdiffusion.training.checkpoint import list_checkpoints, load_checkpoint
+from megdiffusion.training.checkpoint import list_checkpoints, list_snapshots, load_checkpoint, load_snapshot
 from megdiffusion.training.config import CPU_RECIPE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,7 +64,8 @@ IMPROVED = ["--var_type=learned_range", "--loss_type=hybrid", "--use_scale_shift
 def test_exact_resume_in_a_new_process(tiny_model_flags, tmp_path, npz_data, recipe):
     common = ["--dataset=npz", f"--data_path={npz_data}", *tiny_model_flags, "--dropout=0.1", "--num_timesteps=50",
               "--batch_size=8", "--warmup_steps=3", "--ema_warmup", "--sample_every=0", "--save_every=0",
-              "--log_every=1", *recipe]  # --ema_warmup: the EMA decay depends on the step, so a resume must restore it
+              "--log_every=1", "--ema_profiles=0.05,0.1", "--snapshot_every=2", *recipe]
+    # --ema_warmup: the EMA decay depends on the step, so a resume must restore it; the post-hoc EMA's profiles too
     straight, split = tmp_path / "straight", tmp_path / "split"
     # 6 steps of 8 out of 32 images: the run crosses an epoch boundary after the resume.
     runs = [train(*common, "--total_steps=6", f"--logdir={straight}", hashseed=1),
@@ -82,6 +83,17 @@ def test_exact_resume_in_a_new_process(tiny_model_flags, tmp_path, npz_data, rec
         assert list(a[key]) == list(b[key])
         for name in a[key]:
             np.testing.assert_array_equal(a[key][name], b[key][name], err_msg=f"{key}.{name}")
+    for profile_a, profile_b in zip(a["ema_profiles"], b["ema_profiles"], strict=True):
+        for name in profile_a:
+            np.testing.assert_array_equal(profile_a[name], profile_b[name], err_msg=f"profile {name}")
+    snapshots = [list_snapshots(str(run)) for run in (straight, split)]
+    assert [step for step, _ in snapshots[0]] == [step for step, _ in snapshots[1]] == [2, 4, 6]
+    for (_, path_a), (_, path_b) in zip(*snapshots):
+        snap_a, snap_b = load_snapshot(path_a), load_snapshot(path_b)
+        assert all(snap_a[key] == snap_b[key] for key in ("step", "t", "sigma_rel"))
+        for profile_a, profile_b in zip(snap_a["profiles"], snap_b["profiles"], strict=True):
+            for name in profile_a:
+                np.testing.assert_array_equal(profile_a[name], profile_b[name], err_msg=f"snapshot {name}")
     assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
     assert sorted(a["optimizer"]["state"]) == sorted(b["optimizer"]["state"])
     for index, state in a["optimizer"]["state"].items():

@@ -1,4 +1,5 @@
-"""Gradient clipping, Adam and the EMA of a ``Trainer`` in numpy, on flat float32 buffers (the CPU engine).
+"""Gradient clipping, Adam and the moving averages (the EMA, and post-hoc EMA's profiles) of a ``Trainer`` in numpy,
+on flat float32 buffers (the CPU engine).
 
 MegEngine's ``clip_grad_norm``, ``Adam.step`` and the EMA update run ~20 small ops per parameter tensor
 (184 tensors on the CPU recipe). Here the parameters, Adam's moments and the EMA weights live in flat
@@ -37,13 +38,14 @@ def _flat(arrays, total):
 
 
 class FlatUpdate:
-    """The parameters, EMA weights and Adam state of one model, flat; ``step`` does one update.
+    """The parameters, moving averages and Adam state of one model, flat; ``step`` does one update.
 
     Built from the current state of ``params`` (the model's, in optimizer order), ``ema_params`` (the EMA
-    model's, same order) and ``optimizer`` (MegEngine's ``Adam`` over ``params``, one parameter group).
+    model's, same order), ``optimizer`` (MegEngine's ``Adam`` over ``params``, one parameter group) and ``profiles``
+    (post-hoc EMA's, flat like the weights; ``averages`` holds the EMA, then them).
     """
 
-    def __init__(self, params, ema_params, optimizer):
+    def __init__(self, params, ema_params, optimizer, profiles=()):
         self.params, self.ema_params, self.optimizer = params, ema_params, optimizer
         sizes = [int(np.prod(p.shape)) for p in params]
         self.bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()
@@ -60,13 +62,13 @@ class FlatUpdate:
         self.eps = np.float32(group["eps"])
         self.step_count = np.float32(steps.pop())
         self.param = _flat([p.numpy() for p in params], total)
-        self.ema = _flat([p.numpy() for p in ema_params], total)
+        self.averages = [_flat([p.numpy() for p in ema_params], total), *profiles]
         self.exp_avg = _flat([s["exp_avg"] for s in per_param], total)
         self.exp_avg_sq = _flat([s["exp_avg_sq"] for s in per_param], total)
         self.grad = None  # the gradients of the current step, flat (set by the caller)
         self.chunks = [slice(start, min(start + CHUNK, total)) for start in range(0, total, CHUNK)]
 
-    def _views(self, flat):
+    def views(self, flat):
         """``flat`` cut into arrays shaped like the parameters."""
         return [flat[a:b].reshape(p.shape) for p, a, b in zip(self.params, self.bounds, self.bounds[1:])]
 
@@ -81,9 +83,10 @@ class FlatUpdate:
                 squares += float(np.dot(part, part))
         return np.float32(np.sqrt(squares))
 
-    def step(self, grad_norm, lr, max_norm, ema_decay):
+    def step(self, grad_norm, lr, max_norm, decays):
         """Clip the gathered gradients to ``max_norm`` (``inf``: no clipping) given their norm, one Adam step
-        at ``lr``, the EMA update with ``ema_decay``, in the flat buffers (``write_params`` puts them in the model)."""
+        at ``lr``, then each of ``averages`` moved towards the new weights with its decay in ``decays``, in the flat
+        buffers (``write_params`` puts the weights in the model)."""
         f32 = np.float32
         one = f32(1)
         scale = min(f32(max_norm) / (f32(grad_norm) + f32(1e-6)), one)  # all float32, like MegEngine's
@@ -91,11 +94,12 @@ class FlatUpdate:
         self.step_count += one
         correction0 = one - beta0 ** self.step_count
         correction1 = one - beta1 ** self.step_count
-        lr, decay, ema_weight = f32(lr), f32(ema_decay), f32(1.0 - ema_decay)
+        lr = f32(lr)
+        moves = [(average, f32(decay), f32(1.0 - decay)) for average, decay in zip(self.averages, decays, strict=True)]
         g, t = np.empty(CHUNK, np.float32), np.empty(CHUNK, np.float32)
         for c in self.chunks:
             g_, t_ = g[:c.stop - c.start], t[:c.stop - c.start]
-            m, v, p, e = self.exp_avg[c], self.exp_avg_sq[c], self.param[c], self.ema[c]
+            m, v, p = self.exp_avg[c], self.exp_avg_sq[c], self.param[c]
             np.multiply(self.grad[c], scale, out=g_)
             np.multiply(m, beta0, out=m)  # exp_avg = beta0 * exp_avg + grad * (1 - beta0)
             np.multiply(g_, one - beta0, out=t_)
@@ -111,23 +115,25 @@ class FlatUpdate:
             np.divide(g_, t_, out=g_)
             np.multiply(g_, lr, out=g_)
             np.subtract(p, g_, out=p)
-            np.multiply(e, decay, out=e)  # ema = ema * decay + param * (1 - decay)
-            np.multiply(p, ema_weight, out=t_)
-            np.add(e, t_, out=e)
+            for average, decay, weight in moves:  # average = average * decay + param * (1 - decay)
+                e = average[c]
+                np.multiply(e, decay, out=e)
+                np.multiply(p, weight, out=t_)
+                np.add(e, t_, out=e)
 
     def write_params(self):
         """Write the weights into the model's parameters (the buffers hold the state; the model is a view)."""
-        for param, value in zip(self.params, self._views(self.param)):
+        for param, value in zip(self.params, self.views(self.param)):
             assign_(param, megengine.tensor(value, device=param.device))
 
     def write_back(self):
         """Write the weights into the model, the EMA weights into the EMA model and the moments and step count into
         the optimizer."""
         self.write_params()
-        for param, value in zip(self.ema_params, self._views(self.ema)):
+        for param, value in zip(self.ema_params, self.views(self.averages[0])):
             assign_(param, megengine.tensor(value, device=param.device))
         state = self.optimizer.state_dict(keep_var=True)
         step = np.array(self.step_count, np.float32)
-        for i, m, v in zip(state["param_groups"][0]["params"], self._views(self.exp_avg), self._views(self.exp_avg_sq)):
+        for i, m, v in zip(state["param_groups"][0]["params"], self.views(self.exp_avg), self.views(self.exp_avg_sq)):
             state["state"][i] = {"exp_avg": m, "exp_avg_sq": v, "step": step}
         self.optimizer.load_state_dict(state)

@@ -8,7 +8,13 @@ back into a run by ``restore``:
 - ``loader``: the data position (``BatchLoader.state_dict()``);
 - ``rng``: ``{"seed", "scheme"}``, the scheme step randomness is drawn with (``draws``; a resumed run keeps it);
 - ``loss_scale``: the ``LossScaler``'s state of an ``--amp`` run, else None (absent before mixed precision);
-- ``data``: ``{"count", "checksum"}`` of the images it trained on (``datasets.dataset_identity``; absent before).
+- ``data``: ``{"count", "checksum"}`` of the images it trained on (``datasets.dataset_identity``; absent before);
+- ``ema_profiles``: post-hoc EMA's profiles (``{name: array}`` each, in ``--ema_profiles`` order) of a run that
+  tracks them, else None (absent before).
+
+A run that tracks profiles with ``--snapshot_every`` also writes snapshots of them,
+``<logdir>/ema_snapshots/snapshot_<step:08d>.pkl`` (``save_profile_snapshot``; never pruned): ``step``, ``t`` (images
+seen), ``sigma_rel`` (one per profile), ``profiles`` (their weights, stored as ``--snapshot_dtype``), ``config``.
 
 A network trained elsewhere (``weights_snapshot``, written by ``scripts.convert``) has the same layout with the
 weights as both ``model`` and ``ema``, step 0, ``optimizer`` and ``loader`` None, and ``source`` (a dict of
@@ -32,10 +38,12 @@ from megdiffusion.errors import MegdiffusionError, one_line
 from megdiffusion.files.disk import atomic_write
 from megdiffusion.files.torch_archive import WeightsError, load_array_pickle
 from megdiffusion.training.config import (NETWORK, TRAINING, ConfigError, TrainConfig, as_flag, names, output_channels,
-                                          refused_on_resume, validate)
+                                          profile_sigma_rels, refused_on_resume, validate)
 from megdiffusion.training.draws import SCHEMES
 
 CHECKPOINT_DIR = "checkpoints"
+SNAPSHOT_DIR = "ema_snapshots"
+_SNAPSHOT_NAME = re.compile(r"^snapshot_(\d+)\.pkl$")
 REQUIRED_KEYS = ("step", "config", "model", "ema", "optimizer", "loader")
 # Config fields that define the network: weights fit (and compute the same function) only where these agree.
 # (The output channels follow var_type: ``load_init`` compares them too.)
@@ -183,7 +191,46 @@ def snapshot(trainer, loader, data=None):
         return {"step": trainer.step_count, "config": trainer.cfg.to_dict(), "model": state.model.state_dict(),
                 "data": data, "ema": state.ema.state_dict(), "optimizer": state.optimizer.state_dict(),
                 "loader": loader.state_dict(), "rng": {"seed": trainer.cfg.seed, "scheme": trainer.draw_scheme},
-                "loss_scale": None if trainer.scaler is None else trainer.scaler.state_dict()}
+                "loss_scale": None if trainer.scaler is None else trainer.scaler.state_dict(),
+                "ema_profiles": trainer.engine.profile_weights() if trainer.profile_gammas else None}
+
+
+def snapshot_path(logdir, step):
+    """The file of the post-hoc EMA snapshot at ``step``."""
+    return os.path.join(logdir, SNAPSHOT_DIR, f"snapshot_{step:08d}.pkl")
+
+
+def save_profile_snapshot(trainer, logdir):
+    """Write the post-hoc EMA profiles of ``trainer`` at its step (atomically), stored as ``--snapshot_dtype``.
+    Returns the path."""
+    cfg, step = trainer.cfg, trainer.step_count
+    profiles = [{name: value.astype(cfg.snapshot_dtype) for name, value in weights.items()}
+                for weights in trainer.engine.profile_weights()]
+    path = snapshot_path(logdir, step)
+    save_checkpoint(path, {"step": step, "t": step * cfg.batch_size, "sigma_rel": list(profile_sigma_rels(cfg)),
+                           "profiles": profiles, "config": cfg.to_dict()})
+    return path
+
+
+def list_snapshots(logdir):
+    """``[(step, path)]`` of the post-hoc EMA snapshots of a run, oldest first."""
+    directory = os.path.join(logdir, SNAPSHOT_DIR)
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    return sorted((int(m.group(1)), os.path.join(directory, name)) for name in names
+                  if (m := _SNAPSHOT_NAME.match(name)))
+
+
+def load_snapshot(path):
+    """One snapshot dict (``save_profile_snapshot``'s); ``CheckpointError`` for a file that is not one."""
+    try:
+        obj = load_array_pickle(path)
+    except WeightsError as err:
+        raise CheckpointError(f"cannot read snapshot {path}: {err}") from None
+    keys = ("step", "t", "sigma_rel", "profiles", "config")
+    if not isinstance(obj, dict) or any(key not in obj for key in keys) \
+            or len(obj["sigma_rel"]) != len(obj["profiles"]):
+        raise CheckpointError(f"{path} is not a megdiffusion post-hoc EMA snapshot (missing keys)")
+    return obj
 
 
 def weights_snapshot(cfg, weights, source):
@@ -284,6 +331,8 @@ def restore(state, path, trainer, loader):
         trainer.draw_scheme = draw_scheme_of(state)
         if trainer.scaler is not None and state.get("loss_scale") is not None:
             trainer.scaler.load_state_dict(state["loss_scale"])  # else a new scale: --amp is turned on here
+        if trainer.profile_gammas:  # check_recipe made sure the run tracked the same ones
+            trainer.engine.load_profile_weights(state["ema_profiles"])
     except (AssertionError, AttributeError, IndexError, KeyError, TypeError, ValueError) as err:
         raise damaged(path, err) from None
 

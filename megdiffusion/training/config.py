@@ -24,6 +24,7 @@ from megdiffusion.diffusion.schedules import SCHEDULES
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.nn.options import DOWNSAMPLE_PADDING, DOWNSAMPLE_PADDINGS, NORM_EPS, NORM_GROUPS, TIME_EMBEDDING, \
     TIME_EMBEDDINGS, UNetConfig
+from megdiffusion.training.posthoc_ema import MAX_SIGMA_REL
 
 # The recipes' flagfiles, and the CPU recipe (the embedded Fashion-MNIST): what the train script and the demo read
 # without a flagfile.
@@ -57,7 +58,10 @@ def _flag(default, help_text, *, role, **metadata):
     ``absent``: the value a stored config (``from_dict``) that lacks the field stands for, when that is not the
     default; ``guide=True``: a guiding model must share it (what the network sees and predicts);
     ``width_depth=True``: it sizes the network, so a command line giving it composes its own recipe;
-    ``megengine_only=True``: it runs on MegEngine's kernels alone (``engine.check_step_options``)."""
+    ``megengine_only=True``: it runs on MegEngine's kernels alone (``engine.check_step_options``);
+    ``whole_run=True``: it holds from a run's first step, so no resume changes it, asked or not;
+    ``sparse=True``: stored (``to_dict``) only when it differs from the default, so a run that does not use an option
+    added later keeps a config that earlier versions (which refuse unknown keys) still read."""
     if role not in ROLES:
         raise ValueError(f"role {role!r} is not one of {ROLES}")
     return field(default=default, metadata={"help": help_text, "role": role, **metadata})
@@ -75,7 +79,7 @@ def refused_on_resume(allow_changes=False):
     """The fields a resumed run may not change (``RESUME_REFUSES``)."""
     refused = [role for role, rule in RESUME_REFUSES.items()
                if rule == ALWAYS or (rule == UNLESS_ASKED and not allow_changes)]
-    return names(role=tuple(refused))
+    return tuple(name for name in names() if name in names(role=tuple(refused)) or name in names(whole_run=True))
 
 
 @dataclass
@@ -164,6 +168,11 @@ class TrainConfig:
     ema_warmup: bool = _flag(False, "Warm the EMA up: update n (from 0) decays by min(--ema_decay, "
                              "(1 + n) / (10 + n)), so the early average is not mostly the random initial weights.",
                              role=TRAINING)
+    ema_profiles: str = _flag("", "Post-hoc EMA (Karras et al. 2024, EDM2): the relative standard deviations "
+                              "sigma_rel of the power-function EMA profiles to track beside --ema_decay's EMA, "
+                              f"comma-separated, each in (0, {MAX_SIGMA_REL}] (EDM2's: 0.05,0.10); with "
+                              "--snapshot_every, scripts.posthoc_ema rebuilds the EMA of any other length from their "
+                              "snapshots. Empty: none.", role=TRAINING, whole_run=True, sparse=True)
     seed: int = _flag(0, "Seed of every random choice (data order, flips, timesteps, noise, dropout).", min=0,
                       max=2 ** 64 - 1, role=TRAINING)  # MegEngine's seeds are 64-bit
     # The step (how the update is computed: not part of the recipe)
@@ -185,6 +194,11 @@ class TrainConfig:
     log_every: int = _flag(10, "Write metrics every this many steps.", min=1, role=RUN)
     save_every: int = _flag(5000, "Save a checkpoint every this many steps (0: only at the end).", min=0, role=RUN)
     keep_checkpoints: int = _flag(3, "How many of the newest checkpoints to keep.", min=1, max=1000, role=RUN)
+    snapshot_every: int = _flag(0, "Save the --ema_profiles profiles every this many steps in LOGDIR/ema_snapshots "
+                                "(never pruned: scripts.posthoc_ema reads them all); 0: never.", min=0, role=RUN,
+                                sparse=True)
+    snapshot_dtype: str = _flag("float32", "How snapshots store weights: float32, or float16 (half the disk).",
+                                choices=("float32", "float16"), role=RUN, sparse=True)
     sample_every: int = _flag(5000, "Save an EMA sample grid every this many steps (0: never).", min=0, role=RUN)
     sample_num: int = _flag(64, "Images in each sample grid.", min=1, max=4096, role=RUN)
     sample_sampler: str = _flag("ddim", "Sampler for the grids (and for --fid_every).", choices=SAMPLERS, role=RUN)
@@ -228,8 +242,9 @@ class TrainConfig:
         return self.world_size if self.world_size is not None else self.num_gpus
 
     def to_dict(self):
-        """A JSON-serialisable dict (tuples become lists)."""
-        return {f.name: list(v) if isinstance(v, tuple) else v for f, v in _items(self)}
+        """A JSON-serialisable dict (tuples become lists; a ``sparse`` field only when set)."""
+        return {f.name: list(v) if isinstance(v, tuple) else v for f, v in _items(self)
+                if not (f.metadata.get("sparse") and v == f.default)}
 
     @classmethod
     def from_dict(cls, values):
@@ -362,6 +377,8 @@ def validate(cfg):
         raise ConfigError("--input_perturbation needs --mean_type eps, xstart or v: the xprev target is made from "
                           "the perturbed x_t")
     check_sizes(parse_metrics(cfg.fid_metrics, "--fid_metrics"), cfg.fid_num_images, cfg.fid_num_images)
+    if cfg.snapshot_every and not profile_sigma_rels(cfg):
+        raise ConfigError("--snapshot_every saves post-hoc EMA profiles: give --ema_profiles too (e.g. 0.05,0.10)")
     try:
         if cfg.sample_every or cfg.fid_every:  # the only users of the sampler settings
             diffusion.check_sampling(cfg.sample_sampler, cfg.sample_steps, spacing=cfg.sample_spacing,
@@ -370,6 +387,26 @@ def validate(cfg):
         named = re.sub(r"--(sampler|steps|spacing|order)\b", r"--sample_\1", str(err))
         raise ConfigError(named if named != str(err) else
                           f"--sample_sampler/--sample_steps/--sample_spacing/--sample_order: {err}") from None
+
+
+def profile_sigma_rels(cfg):
+    """The ``ema_profiles`` as floats, in their order; ``ConfigError`` for a list that is not distinct numbers in
+    (0, ``MAX_SIGMA_REL``]."""
+    text = cfg.ema_profiles.strip()
+    if not text:
+        return ()
+    try:
+        values = tuple(float(item) for item in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--ema_profiles must be relative standard deviations, comma-separated (e.g. 0.05,0.10); "
+                          f"got {cfg.ema_profiles!r}") from None
+    wrong = [v for v in values if not 0 < v <= MAX_SIGMA_REL]
+    if wrong:
+        raise ConfigError(f"--ema_profiles: sigma_rel {wrong[0]:g} is outside (0, {MAX_SIGMA_REL}]: EDM2 tracks 0.05 "
+                          "and 0.10, and reconstructs lengths between them and around")
+    if len(set(values)) != len(values):
+        raise ConfigError(f"--ema_profiles names a profile twice ({cfg.ema_profiles}); give each once")
+    return values
 
 
 def unet_config(cfg):

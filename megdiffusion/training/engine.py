@@ -1,6 +1,7 @@
 """The engine of a training step, chosen once when a ``Trainer`` is built (``make_engine``). It owns the network's
-weights, their EMA and Adam's state, and offers the same calls on every path: ``gradients`` of a step's draws (the
-loss and the gradient norm, as floats; the gradients stay inside), then ``update`` (clip, Adam, EMA) or ``discard``.
+weights, their moving averages (the EMA and post-hoc EMA's profiles, ``posthoc_ema``) and Adam's state, and offers the
+same calls on every path: ``gradients`` of a step's draws (the loss and the gradient norm, as floats; the gradients
+stay inside), then ``update`` (clip, Adam, the averages) or ``discard``.
 
 - ``CpuEngine`` (``"numpy"``, the CPU engine, ``megdiffusion.cpu.choice``): the network's forward and backward in
   the numpy pass (``cpu.native``), the loss between them the diffusion's own, the update in numpy on flat buffers
@@ -24,7 +25,7 @@ from megdiffusion.cpu.choice import cpu_engine_enabled
 from megdiffusion.cpu.flat_update import FlatUpdate
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.training import distributed
-from megdiffusion.training.config import ConfigError, names
+from megdiffusion.training.config import ConfigError, names, profile_sigma_rels
 
 mge = quiet_megengine()
 import megengine.functional as F  # noqa: E402
@@ -171,6 +172,7 @@ class _Engine:
     def __init__(self, model, ema, optimizer):
         self.model, self.ema, self.optimizer = model, ema, optimizer
         self.params, self.ema_params = list(model.parameters()), list(ema.parameters())
+        self.param_names = [name for name, _ in model.named_parameters()]  # the same order as ``parameters()``
 
     def current_model(self):
         """The network holding the current weights."""
@@ -192,10 +194,11 @@ class CpuEngine(_Engine):
     only when it is ``handed_over`` (checkpoints, grids, evaluations), and the network's weights when it is read
     (``current_model``), not after every update."""
 
-    def __init__(self, model, ema, optimizer, native_step):
+    def __init__(self, model, ema, optimizer, native_step, profiles=0):
         super().__init__(model, ema, optimizer)
         self.native_step = native_step
         self.flat = self._flat_update()
+        self.flat.averages += [self.flat.param.copy() for _ in range(profiles)]  # they start at the weights
         self.model_stale = False  # the flat weights moved since the network last received them
 
     def current_model(self):
@@ -204,8 +207,19 @@ class CpuEngine(_Engine):
             self.model_stale = False
         return self.model
 
-    def _flat_update(self):
-        return FlatUpdate(self.params, self.ema_params, self.optimizer)
+    def _flat_update(self, profiles=()):
+        return FlatUpdate(self.params, self.ema_params, self.optimizer, profiles)
+
+    def profile_weights(self):
+        """Post-hoc EMA's profiles (in ``posthoc_ema.profile_sigma_rels`` order): one ``{name: array}`` each."""
+        return [dict(zip(self.param_names, (view.copy() for view in self.flat.views(average))))
+                for average in self.flat.averages[1:]]
+
+    def load_profile_weights(self, profiles):
+        """Set the profiles from ``profile_weights``' form."""
+        for average, weights in zip(self.flat.averages[1:], profiles, strict=True):
+            average[:] = np.concatenate([np.asarray(weights[name], np.float32).reshape(-1)
+                                         for name in self.param_names])
 
     def gradients(self, x0, draws, rows, loss_scale=1.0):
         """The ``Gradients`` of ``draws`` on the batch ``x0`` in the micro-batches ``rows`` (``loss_scale``: 1, as
@@ -213,10 +227,11 @@ class CpuEngine(_Engine):
         loss, self.flat.grad = self.native_step.batch_gradients(self.flat.param, x0, draws, rows)
         return Gradients(float(loss), float(self.flat.gradient_norm()))
 
-    def update(self, gradients, lr, max_norm, ema_decay):
-        """Clip the last ``gradients`` to ``max_norm``, one Adam step at ``lr``, the EMA update with ``ema_decay``."""
+    def update(self, gradients, lr, max_norm, decays):
+        """Clip the last ``gradients`` to ``max_norm``, one Adam step at ``lr``, then the EMA and the profiles each
+        moved with its decay in ``decays`` (the EMA's first)."""
         self._set_lr(lr)
-        self.flat.step(gradients.norm, lr, max_norm, ema_decay)
+        self.flat.step(gradients.norm, lr, max_norm, decays)
         self.flat.grad = None
         self.model_stale = True
 
@@ -228,8 +243,9 @@ class CpuEngine(_Engine):
     def handed_over(self):
         self.flat.write_back()
         self.model_stale = False
+        profiles = self.flat.averages[1:]
         yield Modules(self.model, self.ema, self.optimizer)
-        self.flat = self._flat_update()
+        self.flat = self._flat_update(profiles)
 
 
 class DeviceEngine(_Engine):
@@ -244,9 +260,11 @@ class DeviceEngine(_Engine):
     run again, so every step comes from the compiled graphs and a resumed run continues bit for bit.
     """
 
-    def __init__(self, model, ema, optimizer, source, traced=False):
+    def __init__(self, model, ema, optimizer, source, traced=False, profiles=0):
         super().__init__(model, ema, optimizer)
         self.source = source
+        self.profiles = [[mge.tensor(param.numpy(), device=param.device) for param in self.params]
+                         for _ in range(profiles)]  # post-hoc EMA's, started at the weights
         # The step's two halves: ``jit.trace`` objects under ``traced``, else the plain functions.
         self.gradient_graph = trace(self._gradients_and_norm, symbolic=True) if traced else self._gradients_and_norm
         self.update_graph = trace(self._clip_adam_ema, symbolic=True) if traced else self._clip_adam_ema
@@ -282,11 +300,22 @@ class DeviceEngine(_Engine):
         norm = F.norm(F.concat(norms)) if len(norms) > 1 else norms[0]
         return [F.stack([loss.astype("float32"), norm]), norm, *grads]
 
-    def update(self, gradients, lr, max_norm, ema_decay):
-        """Clip the last gradients to ``max_norm`` (``clip_grad_norm``'s rule), one Adam step at ``lr``, the EMA
-        update with ``ema_decay``."""
+    def profile_weights(self):
+        """Post-hoc EMA's profiles (in ``posthoc_ema.profile_sigma_rels`` order): one ``{name: array}`` each."""
+        return [{name: tensor.numpy() for name, tensor in zip(self.param_names, profile)} for profile in self.profiles]
+
+    def load_profile_weights(self, profiles):
+        """Set the profiles from ``profile_weights``' form."""
+        for profile, weights in zip(self.profiles, profiles, strict=True):
+            for name, tensor in zip(self.param_names, profile):
+                assign_(tensor, mge.tensor(np.asarray(weights[name], np.float32), device=tensor.device))
+
+    def update(self, gradients, lr, max_norm, decays):
+        """Clip the last gradients to ``max_norm`` (``clip_grad_norm``'s rule), one Adam step at ``lr``, then the
+        EMA and the profiles each moved with its decay in ``decays`` (the EMA's first)."""
         norm, grads = self._last
-        args = [mge.tensor(np.float32(value)) for value in (lr, max_norm, ema_decay, 1.0 - ema_decay)]
+        args = [mge.tensor(np.float32(value)) for value in (lr, max_norm)]
+        args += [mge.tensor(np.float32(value)) for decay in decays for value in (decay, 1.0 - decay)]
         args += [norm, *grads]
         if self._untraced["update"]:
             kept = self._state_tensors()
@@ -299,19 +328,25 @@ class DeviceEngine(_Engine):
         self._set_lr(lr)  # the optimizer's state holds numbers (checkpoints), not the graph's tensor
         self.discard()
 
-    def _clip_adam_ema(self, lr, max_norm, ema_decay, ema_weight, norm, *grads):
+    def _clip_adam_ema(self, lr, max_norm, *args):
+        """``args``: (decay, 1 - decay) of the EMA and of each profile, the gradients' norm, the gradients."""
+        averages = [self.ema_params, *self.profiles]
+        moves, (norm, *grads) = args[:2 * len(averages)], args[2 * len(averages):]
         scale = F.minimum(max_norm / (norm + 1e-6), 1)
         for param, grad in zip(self.params, grads):
             param.grad = grad * scale
         self._set_lr(lr)  # a tensor: one graph serves every learning rate
         self.optimizer.step()
-        for ema_param, param in zip(self.ema_params, self.params):
-            assign_(ema_param, ema_param * ema_decay + param * ema_weight)
+        for average, decay, weight in zip(averages, moves[::2], moves[1::2]):
+            for tensor, param in zip(average, self.params):
+                assign_(tensor, tensor * decay + param * weight)
 
     def _state_tensors(self):
-        """Every tensor an update changes: the weights, the EMA weights and Adam's state."""
+        """Every tensor an update changes: the weights, the moving averages and Adam's state."""
         state = self.optimizer.state_dict(keep_var=True)["state"]
-        return self.params + self.ema_params + [state[i][key] for i in sorted(state) for key in sorted(state[i])]
+        profiles = [tensor for profile in self.profiles for tensor in profile]
+        return self.params + self.ema_params + profiles + [state[i][key] for i in sorted(state)
+                                                           for key in sorted(state[i])]
 
     def discard(self):
         """Drop the last gradients without an update."""
@@ -356,8 +391,9 @@ def make_engine(cfg, model, ema, diffusion, world_size=1, engine=None):
         raise ValueError(f"engine must be one of {ENGINES}; got {engine!r}")
     params = list(model.parameters())
     optimizer = Adam(params, lr=cfg.lr)
+    profiles = len(profile_sigma_rels(cfg))
     if engine == "numpy":
-        return CpuEngine(model, ema, optimizer, native.NativeStep(model, diffusion, params))
+        return CpuEngine(model, ema, optimizer, native.NativeStep(model, diffusion, params), profiles)
     grad_manager = GradManager().attach(params, callbacks=distributed.allreduce_mean_callbacks(world_size))
     source = EngineSource(model, diffusion, params, grad_manager, amp=cfg.amp)
-    return DeviceEngine(model, ema, optimizer, source, traced=cfg.trace)
+    return DeviceEngine(model, ema, optimizer, source, traced=cfg.trace, profiles=profiles)

@@ -21,7 +21,9 @@ from megdiffusion.files.disk import output_directory
 from megdiffusion.files.images import save_png
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
-from megdiffusion.training.config import ConfigError, TrainConfig, as_flag, build_diffusion, build_model, validate
+from megdiffusion.training import posthoc_ema
+from megdiffusion.training.config import ConfigError, TrainConfig, as_flag, build_diffusion, build_model, \
+    profile_sigma_rels, validate
 from megdiffusion.training.draws import PER_SAMPLE, draw_step, first_sample
 from megdiffusion.training.feed import StepFeed
 from megdiffusion.training.outputs import RUN_MARKER, RunLogger, grid_path, sample_grid, write_run_files
@@ -43,6 +45,14 @@ def ema_decay_at(cfg, updates):
     if cfg.ema_warmup:
         return min(cfg.ema_decay, (1 + updates) / (10 + updates))
     return cfg.ema_decay
+
+
+def decays_at(cfg, gammas, steps):
+    """The decays of the moving averages in the update of step ``steps`` (0-based): the EMA's (``ema_decay_at``),
+    then each post-hoc EMA profile's of exponent in ``gammas`` (``posthoc_ema.beta``, t in images of the global
+    batch)."""
+    t_next = (steps + 1) * cfg.batch_size
+    return [ema_decay_at(cfg, steps), *(posthoc_ema.beta(gamma, t_next, cfg.batch_size) for gamma in gammas)]
 
 
 class Trainer:
@@ -68,6 +78,7 @@ class Trainer:
         ema.eval()
         self.diffusion = build_diffusion(config)
         self.engine = make_engine(config, model, ema, self.diffusion, world_size, engine)
+        self.profile_gammas = [posthoc_ema.gamma_of(s) for s in profile_sigma_rels(config)]
         self.scaler = LossScaler() if config.amp else None
         self.step_count = 0
         self.recomputed_steps = 0  # steps whose gradients came out non-finite once, then finite (``step``)
@@ -124,7 +135,7 @@ class Trainer:
         if self.scaler is None or self.scaler.update(np.isfinite(gradients.norm)):
             # With clipping off, an infinite bound leaves the gradients untouched (scale min(inf, 1) = 1).
             self.engine.update(gradients, metrics["lr"], self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf,
-                               ema_decay_at(self.cfg, self.step_count))
+                               decays_at(self.cfg, self.profile_gammas, self.step_count))
         else:
             self.engine.discard()
         if self.scaler is not None:
@@ -245,14 +256,32 @@ class TrainingRun:
             ckpt.prune_checkpoints(self.cfg.logdir, self.cfg.keep_checkpoints)
         self.saved_step = step
 
+    def parameter_count(self):
+        """The network's number of weights."""
+        return sum(int(np.prod(p.shape)) for p in self.trainer.model.parameters())
+
     def start_line(self):
         """What the run trains on and how, in one line."""
         cfg = self.cfg
-        parameters = sum(int(np.prod(p.shape)) for p in self.trainer.model.parameters())
+        parameters = self.parameter_count()
         per_rank = f" ({self.loader.local_batch} per process)" if self.trainer.world_size > 1 else ""
         return (f"data: {describe_dataset(cfg.dataset, cfg.data_path, self.loader.images, cfg.num_classes)}; "
                 f"model: {parameters:,} parameters; batch {cfg.batch_size}{per_rank}; steps "
                 f"{self.trainer.step_count:,} of {cfg.total_steps:,}; logdir {cfg.logdir}")
+
+    def profile_line(self):
+        """The post-hoc EMA profiles a run tracks, and the disk its snapshots will take, in one line."""
+        cfg, profiles = self.cfg, len(self.trainer.profile_gammas)
+        line = f"post-hoc EMA: tracking sigma_rel {', '.join(f'{s:g}' for s in profile_sigma_rels(cfg))}"
+        if not cfg.snapshot_every:
+            return line + "; no snapshots (--snapshot_every 0), which scripts.posthoc_ema reads"
+        size = self.parameter_count() * np.dtype(cfg.snapshot_dtype).itemsize * profiles
+        count = cfg.total_steps // cfg.snapshot_every
+        halved = "; --snapshot_dtype float16 halves it" if cfg.snapshot_dtype == "float32" else ""
+        where = os.path.join(cfg.logdir, ckpt.SNAPSHOT_DIR)
+        return (f"{line}; a snapshot every {cfg.snapshot_every:,} steps in {where} "
+                f"holds {profiles} x {size / profiles / 2 ** 20:,.1f} MiB ({cfg.snapshot_dtype}): {count:,} snapshots, "
+                f"{count * size / 2 ** 30:,.2f} GiB over the run{halved}")
 
     def _on_signal(self, signum, frame):
         self.stop_signal = signum
@@ -269,6 +298,8 @@ class TrainingRun:
         if self.writes:
             self.logger = RunLogger(cfg.logdir, cfg.total_steps, self.trainer.step_count, self.progress)
             self.logger.message(self.start_line())
+            if self.trainer.profile_gammas:
+                self.logger.message(self.profile_line())
             if resumed_from:
                 self.logger.message(f"resumed from {resumed_from} at step {self.trainer.step_count}")
             elif init_step is not None:
@@ -335,6 +366,8 @@ class TrainingRun:
                 self.save_grid()
             if cfg.fid_every and (step % cfg.fid_every == 0 or step == cfg.total_steps):
                 self.evaluate_fid()
+            if cfg.snapshot_every and step % cfg.snapshot_every == 0:
+                ckpt.save_profile_snapshot(self.trainer, cfg.logdir)
         if cfg.save_every and step % cfg.save_every == 0:
             self.save()
 
