@@ -109,11 +109,6 @@ def test_a_tracked_trajectory_and_its_reconstruction():
     CHECKED.add(("trajectory", 0))
 
 
-def test_every_listed_case_was_checked():
-    expected = {(kind, i) for kind in KINDS for i in range(len(CASES[kind]))} | {("trajectory", 0)}
-    assert CHECKED == expected
-
-
 def _run(script, *args):
     result = subprocess.run([sys.executable, "-m", f"megdiffusion.scripts.{script}", *args], cwd=REPO,
                             capture_output=True, text=True, timeout=300)
@@ -162,3 +157,39 @@ def test_a_run_tracking_two_profiles_rebuilds_a_third_as_a_run_tracking_it(tmp_p
     from megdiffusion.training.config import build_model
 
     ckpt.load_weights(build_model(ckpt.config_of(rebuilt_state, path)), rebuilt_state["ema"], path)
+
+
+@pytest.mark.parametrize("engine", ["numpy", "megengine"])
+def test_training_tracks_each_profile_as_the_float64_tracker_of_its_weights(tiny_config, engine):
+    """In the update of either engine: after step 1 a profile is the weights (beta 0), and after each step the
+    float64 tracker of the weights after every step, to float32 rounding; the EMA is left as it was."""
+    from megdiffusion.cpu import onednn
+    from megdiffusion.training.trainer import Trainer
+    from test_training import ema_numpy, params_numpy, toy_batch
+
+    if engine == "numpy" and not onednn.available():
+        pytest.skip("the numpy pass needs oneDNN")
+    cfg = tiny_config(ema_profiles="0.05,0.2", lr=1e-3)
+    trainer, plain = Trainer(cfg, engine=engine), Trainer(cfg.replace(ema_profiles=""), engine=engine)
+    names = trainer.engine.param_names
+    tracker = None
+    for step in range(1, 7):
+        trainer.step(toy_batch(seed=step))
+        plain.step(toy_batch(seed=step))
+        weights = np.concatenate([p.numpy().reshape(-1) for p in trainer.model.parameters()])
+        tracker = tracker or ph.Tracker(weights, [0.05, 0.2])
+        tracker.update(weights, step * cfg.batch_size, cfg.batch_size)
+        profiles = [_flat(w, names) for w in trainer.engine.profile_weights()]
+        if step == 1:
+            for profile in profiles:
+                np.testing.assert_array_equal(profile, weights)
+        for profile, expected in zip(profiles, tracker.averages, strict=True):
+            np.testing.assert_allclose(profile, expected, rtol=0, atol=4 * step * np.finfo(np.float32).eps
+                                       * np.abs(expected).max())
+    for a, b in zip(params_numpy(trainer.model) + ema_numpy(trainer), params_numpy(plain.model) + ema_numpy(plain)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_every_listed_case_was_checked():
+    expected = {(kind, i) for kind in KINDS for i in range(len(CASES[kind]))} | {("trajectory", 0)}
+    assert CHECKED == expected

@@ -147,7 +147,7 @@ def test_an_overflow_skips_exactly_that_update_halves_the_scale_and_is_logged(ti
 
 
 def test_amp_resumes_bit_for_bit_across_a_skip(tiny_config, tiny_images, engine_kernels, tmp_path):
-    cfg = tiny_config(amp=True, logdir=str(tmp_path), total_steps=5)
+    cfg = tiny_config(amp=True, logdir=str(tmp_path), total_steps=5, ema_profiles="0.05,0.1")
 
     def advance(run, steps):
         for _ in range(steps):
@@ -169,6 +169,8 @@ def test_amp_resumes_bit_for_bit_across_a_skip(tiny_config, tiny_images, engine_
     assert resumed.trainer.scaler.skipped >= 1 and resumed.trainer.scaler.scale == 2.0 ** 7
     advance(resumed, 2)
     assert_states_close(full_state(resumed.trainer), full_state(whole.trainer), rtol=0, atol=0)
+    assert {value.dtype for weights in resumed.trainer.engine.profile_weights() for value in weights.values()} == \
+        {np.dtype(np.float32)}  # under float16 forwards, the averages stay float32
     assert resumed.trainer.scaler.state_dict() == whole.trainer.scaler.state_dict()
     # The checkpoint samples like any other: a float32 network with the EMA weights.
     model, _, loaded_cfg, step = sampling.load_model(str(tmp_path))
@@ -269,7 +271,7 @@ def test_n_ranks_one_rank_in_microbatches_and_the_whole_batch_compute_the_same_g
 def test_microbatched_steps_are_whole_batch_steps(tiny_config, cpu_path, changes):
     """Three full steps (clip, Adam, EMA) of batch 16 in micro-batches of 8 and 4 (4 only on MegEngine's path: the
     numpy pass works in groups of 8) against the whole batch: the same losses and weights to float32 rounding."""
-    cfg = tiny_config(batch_size=16, lr=1e-3, grad_clip=0.5, **changes)
+    cfg = tiny_config(batch_size=16, lr=1e-3, grad_clip=0.5, ema_profiles="0.05,0.1", **changes)
     labels = (np.arange(16) % 3).astype(np.int32) if cfg.num_classes else None
     runs = {m: Trainer(cfg.replace(microbatch=m), engine=cpu_path)
             for m in ((0, 8, 4) if cpu_path == "megengine" else (0, 8))}
@@ -296,7 +298,7 @@ def test_numpy_pass_dropout_masks_are_the_same_for_any_cut_into_groups_of_8(tiny
 def test_a_traced_step_equals_the_eager_step_over_20_steps(tiny_config, engine_kernels, synchronous_engine, changes):
     # Synchronous: its 80 backward passes through MegEngine met the asynchronous backward's race (inf gradient norm
     # at step 5 in one suite run).
-    cfg = tiny_config(lr=2e-3, **changes)
+    cfg = tiny_config(lr=2e-3, ema_profiles="0.05,0.1", **changes)
     labels = (np.arange(8) % 3).astype(np.int32) if cfg.num_classes else None
     eager, traced = Trainer(cfg), Trainer(cfg.replace(trace=True))
     for k in range(20):
@@ -305,7 +307,9 @@ def test_a_traced_step_equals_the_eager_step_over_20_steps(tiny_config, engine_k
         assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
     traced_state, eager_state = state_by_kind(traced), state_by_kind(eager)
     names = [name for name, _ in eager.model.named_parameters()]
-    for name, got, want in zip(names, traced_state.pop("model"), eager_state.pop("model"), strict=True):
+    weights = zip(names * 3, traced_state.pop("model") + traced_state.pop("profiles"),
+                  eager_state.pop("model") + eager_state.pop("profiles"), strict=True)  # the profiles move with them
+    for name, got, want in weights:
         if name.endswith("attn.k.bias"):
             # Its gradient is 0 but for rounding (a softmax ignores a shift shared by all keys), and Adam turns
             # rounding noise into steps of up to lr.
@@ -322,7 +326,7 @@ def test_a_traced_runs_checkpoint_resumes_eagerly_and_back(tiny_config, tiny_ima
                                                            first, then):
     """Against a run without the interruption (traced when both parts are): bit for bit when both parts are
     traced, to float32 rounding when one part is eager."""
-    cfg = tiny_config(logdir=str(tmp_path / "run"), total_steps=4, save_every=2)
+    cfg = tiny_config(logdir=str(tmp_path / "run"), total_steps=4, save_every=2, ema_profiles="0.05,0.1")
     straight = TrainingRun(cfg.replace(logdir=str(tmp_path / "straight"), trace=first and then), tiny_images(32),
                            progress=False)
     straight.run()

@@ -45,10 +45,13 @@ def adam_state(trainer):
 
 
 def state_by_kind(trainer):
-    """{"model", "ema", "exp_avg", "exp_avg_sq", "step"}: lists of numpy arrays in parameter order."""
+    """{"model", "ema", "exp_avg", "exp_avg_sq", "step", "profiles"}: lists of numpy arrays in parameter order (the
+    post-hoc EMA profiles' one after the other)."""
     state = adam_state(trainer)
     kinds = {"model": params_numpy(trainer.model), "ema": ema_numpy(trainer)}
     kinds.update({key: [state[i][key] for i in sorted(state)] for key in ("exp_avg", "exp_avg_sq", "step")})
+    names = trainer.engine.param_names
+    kinds["profiles"] = [weights[name] for weights in trainer.engine.profile_weights() for name in names]
     return kinds
 
 
@@ -255,7 +258,7 @@ def test_with_class_dropout_the_network_also_learns_without_a_class(tiny_config)
 @pytest.mark.parametrize("recipe", [{}, IMPROVED], ids=["ddpm", "improved"])
 def test_same_seed_same_run_and_state_round_trip(tiny_config, recipe, engine):
     def run(seed, steps):
-        trainer = Trainer(tiny_config(seed=seed, dropout=0.2, **recipe), engine=engine)
+        trainer = Trainer(tiny_config(seed=seed, dropout=0.2, ema_profiles="0.05,0.1", **recipe), engine=engine)
         for k in range(steps):
             trainer.step(toy_batch(seed=k))
         return trainer
@@ -271,7 +274,7 @@ def test_same_seed_same_run_and_state_round_trip(tiny_config, recipe, engine):
     assert resumed.step_count == 3
     a.step(toy_batch(seed=3))
     resumed.step(toy_batch(seed=3))
-    for x, y in zip(params_numpy(a.model) + ema_numpy(a), params_numpy(resumed.model) + ema_numpy(resumed)):
+    for x, y in zip(full_state(a), full_state(resumed), strict=True):
         np.testing.assert_array_equal(x, y)
 
 
@@ -286,7 +289,7 @@ def test_the_flat_update_is_megengine_clip_adam_and_ema(tiny_config, grad_clip):
     """From the same state, each step on the flat numpy update equals MegEngine's clip_grad_norm + Adam + EMA
     up to float32 rounding (the norm's summation order; sqrt where MegEngine takes a power of 0.5), and bit for
     bit where those do not enter."""
-    cfg = tiny_config(grad_clip=grad_clip, warmup_steps=2, ema_decay=0.9, lr=1e-3)
+    cfg = tiny_config(grad_clip=grad_clip, warmup_steps=2, ema_decay=0.9, lr=1e-3, ema_profiles="0.05,0.2")
     megengine_run, flat_run = Trainer(cfg, engine="megengine"), Trainer(cfg, engine="numpy")
     flat_run.engine.native_step = MegEngineGradients(flat_run)  # the same gradients on both: only the updates differ
     for k in range(4):
@@ -357,19 +360,20 @@ def test_a_change_made_to_the_handed_over_state_is_what_the_engine_continues_fro
 def test_a_checkpoint_resumes_on_the_other_engine(tiny_config, saved_on, resumed_on):
     """A checkpoint has the same layout on both engines, and a run saved on one resumes on the other as it goes on
     on its own (up to the engines' float32 rounding)."""
-    run = Trainer(tiny_config(grad_clip=1e-2), engine=saved_on)
+    cfg = tiny_config(grad_clip=1e-2, ema_profiles="0.1")
+    run = Trainer(cfg, engine=saved_on)
     for k in range(2):
         run.step(toy_batch(seed=k))
     loader = BatchLoader(np.zeros((8, 8, 8, 1), np.uint8), batch_size=8, seed=0)
     saved = ckpt.snapshot(run, loader)
-    other = Trainer(tiny_config(grad_clip=1e-2), engine=resumed_on)
+    other = Trainer(cfg, engine=resumed_on)
     other.step(toy_batch())
     layout = ckpt.snapshot(other, loader)
     assert saved["optimizer"]["param_groups"] == layout["optimizer"]["param_groups"]
     for i, state in layout["optimizer"]["state"].items():
         assert {k: (v.dtype, v.shape) for k, v in saved["optimizer"]["state"][i].items()} == \
             {k: (v.dtype, v.shape) for k, v in state.items()}
-    resumed = Trainer(tiny_config(grad_clip=1e-2), engine=resumed_on)
+    resumed = Trainer(cfg, engine=resumed_on)
     ckpt.restore(saved, "memory", resumed, loader)
     for k in range(2, 4):
         run.step(toy_batch(seed=k))
