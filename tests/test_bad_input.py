@@ -134,6 +134,8 @@ def shared(tmp_path_factory, tiny_config, tiny_images):
     (root / "lsun").mkdir()
     (root / "lsun" / "data.mdb").write_bytes(b"")
     prepare(ArraySource(tiny_images(16), None, "tiny"), root / "p16.data", 16, workers=0)
+    (root / "snapshots" / "ema_snapshots").mkdir(parents=True)  # one snapshot's name: its steps are listed unread
+    (root / "snapshots" / "ema_snapshots" / "snapshot_00000004.pkl").write_bytes(b"")
 
     # statistics without features (compressed: an identity sigma of 2048 x 2048 is 32 MB)
     np.savez_compressed(root / "stats_plain.npz", mu=np.zeros(2048), sigma=np.eye(2048))
@@ -382,6 +384,35 @@ CASES = [
     ("56:resume-changing-the-network-even-when-allowed", "train", ["--logdir=run", "--resume", "--allow_changes",
                                                                    "--num_res_blocks=2"],
      "was trained with different num_res_blocks (--num_res_blocks=1); use those flags"),
+    # 57: post-hoc EMA
+    ("57:ema-profiles-not-numbers", "train", [*TRAIN, "--ema_profiles=0.05,x"],
+     "--ema_profiles must be relative standard deviations, comma-separated (e.g. 0.05,0.10); got '0.05,x'"),
+    ("57:ema-profile-too-long", "train", [*TRAIN, "--ema_profiles=0.05,0.3"], "sigma_rel 0.3 is outside (0, 0.28]"),
+    ("57:ema-profile-zero", "train", [*TRAIN, "--ema_profiles=0"], "sigma_rel 0 is outside (0, 0.28]"),
+    ("57:ema-profile-twice", "train", [*TRAIN, "--ema_profiles=0.05,0.05"], "names a profile twice (0.05,0.05)"),
+    ("57:snapshots-without-profiles", "train", [*TRAIN, "--snapshot_every=5"],
+     "--snapshot_every saves post-hoc EMA profiles: give --ema_profiles too"),
+    ("57:snapshot-dtype", "train", [*TRAIN, "--ema_profiles=0.1", "--snapshot_dtype=float64"],
+     "flag --snapshot_dtype=float64: value should be one of <float32|float16>"),
+    ("57:resume-adding-profiles-even-when-allowed", "train", ["--logdir=run", "--resume", "--allow_changes",
+                                                              "--ema_profiles=0.1"],
+     "was trained with different ema_profiles (--ema_profiles=); use those flags"),
+    ("57:posthoc-without-logdir", "posthoc_ema", ["--sigma_rel=0.07", "--output=out"],
+     "expected one argument, LOGDIR (a run trained with --ema_profiles and --snapshot_every); got 0"),
+    ("57:posthoc-without-sigma-rel", "posthoc_ema", ["snapshots", "--output=out"], "give --sigma_rel"),
+    ("57:posthoc-sigma-rel-not-a-number", "posthoc_ema", ["snapshots", "--sigma_rel=0.07,wide", "--output=out"],
+     "--sigma_rel must be numbers, comma-separated; got 0.07,wide"),
+    ("57:posthoc-sigma-rel-outside", "posthoc_ema", ["snapshots", "--sigma_rel=0.5", "--output=out"],
+     "--sigma_rel 0.5 is outside (0, 0.28]"),
+    ("57:posthoc-without-output", "posthoc_ema", ["snapshots", "--sigma_rel=0.07"], "give --output DIR"),
+    ("57:posthoc-output-a-file", "posthoc_ema", ["snapshots", "--sigma_rel=0.07", "--output=afile.txt"],
+     "--output afile.txt is a file"),
+    ("57:posthoc-of-a-run-without-snapshots", "posthoc_ema", ["run", "--sigma_rel=0.07", "--output=out"],
+     "run holds no post-hoc EMA snapshots (ema_snapshots/snapshot_*.pkl): train with --ema_profiles 0.05,0.10"),
+    ("57:posthoc-step-without-snapshot", "posthoc_ema", ["snapshots", "--sigma_rel=0.07", "--output=out", "--step=3"],
+     "--step 3 has no snapshot in snapshots; its 1 snapshots are at steps 4 to 4: give one of those"),
+    ("57:posthoc-step-zero", "posthoc_ema", ["snapshots", "--sigma_rel=0.07", "--output=out", "--step=0"],
+     "--step must be >= 1"),
     ("data-workers-negative", "train", [*TRAIN, "--data_workers=-1"], "--data_workers must be >= 0 and <= 64, got -1"),
     ("47:folder-of-a-size-without-recipe", "train", ["--dataset=folder", "--data_path=images", "--image_size=48"],
      "no recipe for 48x48 without a --flagfile"),

@@ -73,8 +73,8 @@ def main(argv):
 
     with one_line_errors():
         if len(argv) != 2:
-            raise UsageError(f"expected one argument, LOGDIR (a run with --ema_profiles and --snapshot_every); got "
-                             f"{len(argv) - 1}")
+            raise UsageError(f"expected one argument, LOGDIR (a run trained with --ema_profiles and --snapshot_every); "
+                             f"got {len(argv) - 1}")
         targets = _targets()
         if not FLAGS.output:
             raise UsageError("give --output DIR, the directory of the rebuilt checkpoints")

@@ -377,7 +377,7 @@ def validate(cfg):
         raise ConfigError("--input_perturbation needs --mean_type eps, xstart or v: the xprev target is made from "
                           "the perturbed x_t")
     check_sizes(parse_metrics(cfg.fid_metrics, "--fid_metrics"), cfg.fid_num_images, cfg.fid_num_images)
-    if cfg.snapshot_every and not profile_sigma_rels(cfg):
+    if not profile_sigma_rels(cfg) and cfg.snapshot_every:
         raise ConfigError("--snapshot_every saves post-hoc EMA profiles: give --ema_profiles too (e.g. 0.05,0.10)")
     try:
         if cfg.sample_every or cfg.fid_every:  # the only users of the sampler settings
