@@ -145,7 +145,7 @@ def test_a_checkpoint_written_at_9323ffd_loads_for_sampling_and_resumes(tmp_path
     assert run.resume() == ckpt.checkpoint_path(str(logdir), 2)
     old = ckpt.load_checkpoint(ckpt.checkpoint_path(str(logdir), 2))
     # new since: the AMP state, and what the run trains on
-    assert set(ckpt.snapshot(run.trainer, run.loader)) == set(old) | {"loss_scale", "data"}
+    assert set(ckpt.snapshot(run.trainer, run.loader)) == set(old) | {"loss_scale", "data", "ema_profiles"}
     assert run.trainer.draw_scheme == old["rng"]["scheme"]  # it keeps drawing as it started
     assert run.loader.state_dict() == {"epoch": 0, "position": 8}
     loss = run.trainer.step(*run.loader.next_batch())["loss"]

@@ -224,7 +224,7 @@ def test_every_field_has_one_role_and_the_lists_follow_from_them():
     assert set().union(*by_role.values()) == {f.name for f in dataclasses.fields(TrainConfig)}
     assert by_role[config.STEP] == {"microbatch", "amp", "trace"}
     assert by_role[config.TRAINING] == {"random_flip", "dropout", "lr", "warmup_steps", "batch_size", "grad_clip",
-                                        "ema_decay", "ema_warmup", "seed"}
+                                        "ema_decay", "ema_warmup", "ema_profiles", "seed"}
     assert by_role[config.MATHS] == {"num_timesteps", "beta_schedule", "mean_type", "var_type", "loss_type",
                                      "min_snr_gamma", "input_perturbation", "class_dropout"}
     assert set(checkpoint.NETWORK_FIELDS) == by_role[config.NETWORK] == {
@@ -235,7 +235,8 @@ def test_every_field_has_one_role_and_the_lists_follow_from_them():
                                             "beta_schedule", "mean_type", "var_type", "num_classes"}
     assert set(recipes.NETWORK_FLAGS) == {"model_channels", "channel_mult", "attention_resolutions", "num_res_blocks"}
     assert set(config.refused_on_resume()) == by_role[config.NETWORK] | by_role[config.MATHS] | by_role[config.TRAINING]
-    assert set(config.refused_on_resume(allow_changes=True)) == by_role[config.NETWORK] | by_role[config.MATHS]
+    assert set(config.refused_on_resume(allow_changes=True)) == by_role[config.NETWORK] | by_role[config.MATHS] | {
+        "ema_profiles"}  # a profile holds from the first step: never one added or dropped later
     with pytest.raises(TypeError):
         config._flag(0, "a field without a role")
 
@@ -256,3 +257,19 @@ def test_the_unet_is_built_from_one_config_object_of_the_network_fields():
     assert (unet.in_channels, unet.out_channels, unet.num_heads, unet.num_classes) == (1, 2, 2, 3)
     with pytest.raises(ValueError, match="attention_resolutions \\[16\\] never occur"):
         UNetConfig(image_size=8, channel_mult=(1, 2), attention_resolutions=(16,))
+
+
+def test_a_sparse_field_is_stored_only_when_set_and_reads_back_either_way():
+    """Post-hoc EMA's fields, added after runs existed: a config that does not use them is stored as before (so
+    earlier versions, which refuse unknown keys, still read its checkpoints); one that does keeps them."""
+    from megdiffusion.training import config
+
+    sparse = set(config.names(sparse=True))
+    assert sparse == {"ema_profiles", "snapshot_every", "snapshot_dtype"}
+    plain = TrainConfig(image_size=8)
+    assert not sparse & set(plain.to_dict()) and TrainConfig.from_dict(plain.to_dict()) == plain
+    tracking = plain.replace(ema_profiles="0.05,0.1", snapshot_every=10)
+    stored = tracking.to_dict()
+    assert {"ema_profiles", "snapshot_every"} <= set(stored) and "snapshot_dtype" not in stored
+    assert TrainConfig.from_dict(stored) == tracking
+    assert config.profile_sigma_rels(tracking) == (0.05, 0.1) and config.profile_sigma_rels(plain) == ()

@@ -21,7 +21,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("sigma_rel", None, "The EMA lengths to rebuild, as relative standard deviations, comma-separated, "
                   "each in (0, 0.28] (EDM2's best were 0.03 to 0.15 by model).")
 define_integer("step", None, "Rebuild the EMA at this step, one with snapshots; default: the newest snapshot's.", min=1)
-flags.DEFINE_string("output", None, "Directory of the rebuilt checkpoints, DIR/ema_<sigma_rel>.pkl (made if missing).")
+flags.DEFINE_string("output", None, "Directory of the rebuilt checkpoints, DIR/ema_<sigma_rel>.pkl (made if "
+                    "missing).")
 shared_flags.define_overwrite_flag()
 flags.adopt_module_key_flags(cli)  # so that --help lists the flags defined there and in shared_flags
 flags.adopt_module_key_flags(shared_flags)

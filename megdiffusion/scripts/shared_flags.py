@@ -26,6 +26,7 @@ OWN_FLAGS = {
     ("demo", "batch_size"): "the batch the demo's figures were measured at (100)",
     ("demo", "guidance"): "the demo guides with its own earlier checkpoint, at its protocol's weight (2.5)",
     ("demo", "output"): "the demo's own directory (default runs/demo); sample's must be given",
+    ("posthoc_ema", "output"): "a directory of checkpoints, not of images",
     ("demo", "resume"): "continues the demo's training and scores again",
     ("export", "batch_size"): "the batch the .mge graph is traced at (it runs at any batch)",
     ("convert", "ema"): "picks the weights of a file that holds two sets; most published files hold one, so raw",
