@@ -15,6 +15,10 @@ which is steadier than wall time on a loaded machine.
     python benchmarks/train_step.py                       # both models, 2 rounds, 1 step per measurement
     python benchmarks/train_step.py --models cpu --rounds 3 --steps 2
     python benchmarks/train_step.py --paths fast          # the fast path only
+    python benchmarks/train_step.py --models cpu --paths fast,profiles --rounds 6   # post-hoc EMA's cost
+
+``profiles``: the fast path tracking post-hoc EMA profiles (``--ema_profiles``, default EDM2's 0.05,0.10); with
+``fast`` beside it the summary gives ``profiles_cost``, the share of a step they add (wall and CPU time).
 """
 import argparse
 import json
@@ -60,17 +64,17 @@ def measure(trainer, x0, steps):
     return time.perf_counter() - start, time.process_time() - start_cpu
 
 
-def run(name, cfg, x0, rounds, steps, paths):
+def run(name, cfg, x0, rounds, steps, paths, profiles):
     trainers = {}
     for path in paths:  # one trainer per engine, from the same weights; a warm-up step each, not timed
-        use_cpu_engine(path == "fast")
-        trainers[path] = Trainer(cfg)
+        use_cpu_engine(path != "native")
+        trainers[path] = Trainer(cfg.replace(ema_profiles=profiles) if path == "profiles" else cfg)
         trainers[path].step(x0)
     rates = {path: [] for path in paths}
     cpu_seconds = {path: [] for path in paths}
     for round_index in range(rounds):
         for path in paths:
-            use_cpu_engine(path == "fast")  # the convolutions choose at each call
+            use_cpu_engine(path != "native")  # the convolutions choose at each call
             seconds, cpu = measure(trainers[path], x0, steps)
             rates[path].append(steps * len(x0) / seconds)
             cpu_seconds[path].append(cpu / steps)
@@ -81,7 +85,11 @@ def run(name, cfg, x0, rounds, steps, paths):
     for path in paths:
         summary[f"{path}_images_per_s"] = round(statistics.median(rates[path]), 3)
         summary[f"{path}_cpu_seconds_per_step"] = round(statistics.median(cpu_seconds[path]), 3)
-    if len(paths) == 2:
+    if {"fast", "profiles"} <= set(paths):
+        summary["profiles_cost"] = round(1 - statistics.median(rates["profiles"]) / statistics.median(rates["fast"]), 4)
+        summary["profiles_cpu_cost"] = round(statistics.median(cpu_seconds["profiles"])
+                                             / statistics.median(cpu_seconds["fast"]) - 1, 4)
+    if {"fast", "native"} <= set(paths):
         summary["ratio"] = round(statistics.median(rates["fast"]) / statistics.median(rates["native"]), 2)
         summary["cpu_seconds_ratio"] = round(statistics.median(cpu_seconds["native"])
                                              / statistics.median(cpu_seconds["fast"]), 2)
@@ -96,7 +104,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="cpu,cifar", help="comma-separated: cpu, cifar")
     parser.add_argument("--paths", default="native,fast", help="comma-separated: native, fast (the fast path "
-                        "alone skips MegEngine's slow native convolutions)")
+                        "alone skips MegEngine's slow native convolutions), profiles (fast with --ema_profiles)")
+    parser.add_argument("--ema_profiles", default="0.05,0.10", help="the profiles of the profiles path")
     parser.add_argument("--rounds", type=int, default=2, help="native/fast pairs per model")
     parser.add_argument("--steps", type=int, default=1, help="training steps per measurement")
     parser.add_argument("--cpu_batch", type=int, default=None, help="batch size of the cpu model "
@@ -108,9 +117,9 @@ def main():
     unknown = sorted(set(models) - {"cpu", "cifar"})
     if unknown:
         parser.error(f"unknown --models {','.join(unknown)}; choose from cpu, cifar")
-    paths = [path for path in ("native", "fast") if path in args.paths.split(",")]
-    if not paths or sorted(set(args.paths.split(",")) - {"native", "fast"}):
-        parser.error(f"--paths takes native and/or fast, not {args.paths}")
+    paths = [path for path in ("native", "fast", "profiles") if path in args.paths.split(",")]
+    if not paths or sorted(set(args.paths.split(",")) - {"native", "fast", "profiles"}):
+        parser.error(f"--paths takes native, fast and/or profiles, not {args.paths}")
     counts = [args.rounds, args.steps, args.cifar_batch, args.cifar_res_blocks]
     if min(counts) < 1 or (args.cpu_batch is not None and args.cpu_batch < 1):
         parser.error("--rounds, --steps, --cpu_batch, --cifar_batch and --cifar_res_blocks must be >= 1")
@@ -119,7 +128,7 @@ def main():
             cfg, x0 = cpu_recipe(args.cpu_batch)
         else:
             cfg, x0 = cifar_shaped(args.cifar_batch, args.cifar_res_blocks)
-        run(name, cfg, x0, args.rounds, args.steps, paths)
+        run(name, cfg, x0, args.rounds, args.steps, paths, args.ema_profiles)
 
 
 if __name__ == "__main__":

@@ -61,10 +61,12 @@ def without_torch_python():
 
 @smoke("train_step.py")
 def test_train_step():
-    lines = json_lines(run("train_step.py", "--models", "cpu", "--paths", "native,fast", "--rounds", "1",
+    lines = json_lines(run("train_step.py", "--models", "cpu", "--paths", "native,fast,profiles",
+                           "--rounds", "1",
                            "--steps", "1", "--cpu_batch", "2").stdout)
-    assert [(line["path"], line["batch"]) for line in lines[:-1]] == [("native", 2), ("fast", 2)]
+    assert [(line["path"], line["batch"]) for line in lines[:-1]] == [("native", 2), ("fast", 2), ("profiles", 2)]
     assert lines[-1]["summary"] and lines[-1]["ratio"] > 0 and lines[-1]["image_size"] == 28
+    assert -1 < lines[-1]["profiles_cost"] < 1
 
 
 @smoke("sample.py")
