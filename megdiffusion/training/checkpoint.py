@@ -16,8 +16,9 @@ A run that tracks profiles with ``--snapshot_every`` also writes snapshots of th
 ``<logdir>/ema_snapshots/snapshot_<step:08d>.pkl`` (``save_profile_snapshot``; never pruned): ``step``, ``t`` (images
 seen), ``sigma_rel`` (one per profile), ``profiles`` (their weights, stored as ``--snapshot_dtype``), ``config``.
 
-A network trained elsewhere (``weights_snapshot``, written by ``scripts.convert``) has the same layout with the
-weights as both ``model`` and ``ema``, step 0, ``optimizer`` and ``loader`` None, and ``source`` (a dict of
+A network trained elsewhere (``weights_snapshot``, written by ``scripts.convert``; ``scripts.posthoc_ema``'s rebuilt
+EMA too, at its step) has the same layout with the weights as both ``model`` and ``ema``, step 0, ``optimizer`` and
+``loader`` None, and ``source`` (a dict of
 strings) saying where they came from: it samples and scores like any checkpoint, and starts runs
 (``--init_from``), but does not resume one.
 
@@ -233,9 +234,10 @@ def load_snapshot(path):
     return obj
 
 
-def weights_snapshot(cfg, weights, source):
-    """The checkpoint dict of a network not trained here: ``weights`` (name -> array) under config ``cfg``."""
-    return {"step": 0, "config": cfg.to_dict(), "model": weights, "ema": weights, "optimizer": None, "loader": None,
+def weights_snapshot(cfg, weights, source, step=0):
+    """The checkpoint dict of weights without a run to resume: ``weights`` (name -> array) under config ``cfg``,
+    trained to ``step`` (0: a network not trained here)."""
+    return {"step": step, "config": cfg.to_dict(), "model": weights, "ema": weights, "optimizer": None, "loader": None,
             "source": source}
 
 
