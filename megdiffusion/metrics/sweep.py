@@ -11,7 +11,7 @@ from PIL import Image, ImageDraw
 from megdiffusion.files.disk import atomic_write
 from megdiffusion.files.images import save_png
 
-REBUILT = re.compile(r"^ema_(\d+\.\d+)\.pkl$")  # scripts.posthoc_ema.output_name's files
+REBUILT = re.compile(r"^ema_(\d+\.\d+)\.pkl$")  # checkpoint.rebuilt_path's files
 CHARTED = ("fid", "kid")  # what the chart plots, one panel each, of the scores a sweep has
 
 

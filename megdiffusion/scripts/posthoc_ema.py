@@ -8,10 +8,8 @@ for ``scripts.sample --ckpt``, ``scripts.fid --ckpt`` and ``scripts.train --init
 condition number, and warns of a length outside the tracked profiles' span (extrapolated, so less exact). Bad input:
 one ``error:`` line, exit code 2, nothing written.
 """
-import os
 import sys
 
-import numpy as np
 from absl import flags
 
 from megdiffusion.scripts import cli, shared_flags
@@ -26,11 +24,6 @@ flags.DEFINE_string("output", None, "Directory of the rebuilt checkpoints, DIR/e
 shared_flags.define_overwrite_flag()
 flags.adopt_module_key_flags(cli)  # so that --help lists the flags defined there and in shared_flags
 flags.adopt_module_key_flags(shared_flags)
-
-
-def output_name(sigma_rel):
-    """The file a rebuilt EMA of ``sigma_rel`` is written to, in the output directory."""
-    return f"ema_{sigma_rel:.3f}.pkl"
 
 
 def _targets():
@@ -50,27 +43,9 @@ def _targets():
     return targets
 
 
-def _snapshots(logdir, step):
-    """The snapshot dicts of ``logdir`` up to ``step`` (default: all), and the step."""
-    from megdiffusion.training.checkpoint import list_snapshots, load_snapshot
-
-    found = list_snapshots(logdir)
-    if not found:
-        raise UsageError(f"{logdir} holds no post-hoc EMA snapshots (ema_snapshots/snapshot_*.pkl): train with "
-                         "--ema_profiles 0.05,0.10 --snapshot_every N")
-    steps = [s for s, _ in found]
-    step = steps[-1] if step is None else step
-    if step not in steps:
-        raise UsageError(f"--step {step} has no snapshot in {logdir}; its {len(steps)} snapshots are at steps "
-                         f"{steps[0]} to {steps[-1]}: give one of those")
-    return [load_snapshot(path) for s, path in found if s <= step], step
-
-
 def main(argv):
     from megdiffusion.files.disk import check_writable
-    from megdiffusion.training import checkpoint
-    from megdiffusion.training.config import TrainConfig
-    from megdiffusion.training.posthoc_ema import coefficients
+    from megdiffusion.training.checkpoint import rebuild_ema, rebuilt_path
 
     with one_line_errors():
         if len(argv) != 2:
@@ -81,30 +56,16 @@ def main(argv):
             raise UsageError("give --output DIR, the directory of the rebuilt checkpoints")
         check_writable(FLAGS.output, "--output")
         for target in targets:
-            check_writable(os.path.join(FLAGS.output, output_name(target)), "--output", directory=False,
-                           overwrite=FLAGS.overwrite)
-        snapshots, step = _snapshots(argv[1], FLAGS.step)
-        profiles = [(snap["t"], s) for snap in snapshots for s in snap["sigma_rel"]]
-        weights = [w for snap in snapshots for w in snap["profiles"]]
-        tracked = sorted({s for _, s in profiles})
-        t = snapshots[-1]["t"]
-        cfg = TrainConfig.from_dict(snapshots[-1]["config"])
-        os.makedirs(FLAGS.output, exist_ok=True)
-        for target in targets:
-            mix, condition = coefficients(profiles, (t, target))
-            rebuilt = {name: np.einsum("i,i...->...", mix, np.stack([w[name].astype(np.float64) for w in weights]))
-                       .astype(np.float32) for name in weights[0]}
-            source = {"format": "post-hoc EMA", "weights": f"EMA of sigma_rel {target:g}", "sigma_rel": f"{target:g}",
-                      "tracked": ",".join(f"{s:g}" for s in tracked), "run": os.path.abspath(argv[1]),
-                      "step": str(step)}
-            path = os.path.join(FLAGS.output, output_name(target))
-            checkpoint.save_checkpoint(path, checkpoint.weights_snapshot(cfg, rebuilt, source, step))
-            print(f"wrote {path}: sigma_rel {target:g} at step {step:,} ({t:,} images) from {len(snapshots)} "
-                  f"snapshots of sigma_rel {', '.join(f'{s:g}' for s in tracked)}; condition number {condition:.3g}, "
-                  f"sum of |coefficients| {np.abs(mix).sum():.3g}")
-            if not tracked[0] <= target <= tracked[-1]:
-                print(f"warning: sigma_rel {target:g} lies outside the tracked profiles' span ({tracked[0]:g} to "
-                      f"{tracked[-1]:g}): extrapolated, so less exact than a length between them", file=sys.stderr)
+            check_writable(rebuilt_path(FLAGS.output, target), "--output", directory=False, overwrite=FLAGS.overwrite)
+        rebuilt = rebuild_ema(argv[1], targets, FLAGS.output, FLAGS.step)
+    for r in rebuilt:
+        tracked = r["tracked"]
+        print(f"wrote {r['path']}: sigma_rel {r['sigma_rel']:g} at step {r['step']:,} ({r['t']:,} images) from "
+              f"{r['snapshots']} snapshots of sigma_rel {', '.join(f'{s:g}' for s in tracked)}; condition number "
+              f"{r['condition_number']:.3g}, sum of |coefficients| {r['coefficient_abs_sum']:.3g}")
+        if not tracked[0] <= r["sigma_rel"] <= tracked[-1]:
+            print(f"warning: sigma_rel {r['sigma_rel']:g} lies outside the tracked profiles' span ({tracked[0]:g} to "
+                  f"{tracked[-1]:g}): extrapolated, so less exact than a length between them", file=sys.stderr)
 
 
 def run():

@@ -221,6 +221,56 @@ def list_snapshots(logdir):
                   if (m := _SNAPSHOT_NAME.match(name)))
 
 
+def rebuilt_path(directory, sigma_rel):
+    """The file a rebuilt EMA of ``sigma_rel`` is written to in ``directory``, e.g. ema_0.070.pkl."""
+    return os.path.join(directory, f"ema_{sigma_rel:.3f}.pkl")
+
+
+def rebuild_ema(logdir, targets, output, step=None):
+    """Rebuild the EMA of each sigma_rel in ``targets`` from the snapshots of ``logdir`` up to ``step`` (default:
+    the newest; a step with snapshots), and write each as a checkpoint, ``rebuilt_path(output, sigma_rel)``
+    (``posthoc_ema.coefficients``, summed in float64 one snapshot at a time). Returns one dict per target:
+    sigma_rel, path, condition_number, coefficient_abs_sum, step, t, snapshots (their count) and tracked."""
+    from megdiffusion.training.posthoc_ema import coefficients
+
+    found = list_snapshots(logdir)
+    if not found:
+        raise CheckpointError(f"{logdir} holds no post-hoc EMA snapshots ({SNAPSHOT_DIR}/snapshot_*.pkl): train with "
+                              "--ema_profiles 0.05,0.10 --snapshot_every N")
+    steps = [s for s, _ in found]
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise CheckpointError(f"--step {step} has no snapshot in {logdir}; its {len(steps)} snapshots are at steps "
+                              f"{steps[0]} to {steps[-1]}: give one of those")
+    used = [path for s, path in found if s <= step]
+    profiles, last = [], None
+    for path in used:  # first the profiles alone: one snapshot in memory at a time, whatever the network's size
+        last = load_snapshot(path)
+        profiles += [(last["t"], s) for s in last["sigma_rel"]]
+    t, tracked = last["t"], sorted({s for _, s in profiles})
+    mixes = [coefficients(profiles, (t, target)) for target in targets]
+    sums, index = [{} for _ in targets], 0
+    for path in used:
+        for weights in load_snapshot(path)["profiles"]:
+            for total, (mix, _) in zip(sums, mixes):
+                for name, value in weights.items():
+                    total[name] = total.get(name, 0.0) + mix[index] * value.astype(np.float64)
+            index += 1
+    cfg = TrainConfig.from_dict(last["config"])
+    os.makedirs(output, exist_ok=True)
+    rebuilt = []
+    for target, (mix, condition), total in zip(targets, mixes, sums):
+        path = rebuilt_path(output, target)
+        source = {"format": "post-hoc EMA", "weights": f"EMA of sigma_rel {target:g}", "sigma_rel": f"{target:g}",
+                  "tracked": ",".join(f"{s:g}" for s in tracked), "run": os.path.abspath(logdir), "step": str(step)}
+        save_checkpoint(path, weights_snapshot(cfg, {name: value.astype(np.float32) for name, value in total.items()},
+                                               source, step))
+        rebuilt.append({"sigma_rel": target, "path": path, "condition_number": condition,
+                        "coefficient_abs_sum": float(np.abs(mix).sum()), "step": step, "t": t,
+                        "snapshots": len(used), "tracked": tracked})
+    return rebuilt
+
+
 def load_snapshot(path):
     """One snapshot dict (``save_profile_snapshot``'s); ``CheckpointError`` for a file that is not one."""
     try:
