@@ -19,14 +19,15 @@ REPO = Path(__file__).resolve().parents[1]  # the code under test, not an instal
 def run_demo(output, home, *extra, budget=("--minutes=0.02",)):
     env = dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), PYTHONPATH=str(REPO))
     args = [sys.executable, "-m", "megdiffusion.scripts.demo", *budget, "--num_images=4",
-            "--num_reference=6", "--steps=2", "--batch_size=4", f"--output={output}", *extra]
+            "--num_reference=6", "--steps=2", "--batch_size=4", "--sweep_images=0", "--snapshot_every=1",
+            f"--output={output}", *extra]
     return subprocess.run(args, capture_output=True, text=True, timeout=600, env=env, cwd=home)
 
 
 def test_demo_trains_samples_scores_and_resumes(tmp_path):
     home, output = tmp_path / "home", tmp_path / "out"
     home.mkdir()
-    first = run_demo(output, home)
+    first = run_demo(output, home, "--sweep_images=4")  # the later runs score only the EMA the recipe trains
     assert first.returncode == 0, first.stderr
     summary = json.loads((output / "summary.json").read_text())
     assert summary["steps"] >= 1 and summary["steps_this_run"] == summary["steps"]
@@ -57,11 +58,25 @@ def test_demo_trains_samples_scores_and_resumes(tmp_path):
     assert Image.open(output / "real.png").size == (2 + 8 * 30, 2 + 8 * 30)  # 8x8 real images, 2px gaps
     assert Image.open(output / "samples.png").size == (2 + 8 * 30, 32)  # the 4 samples: one row of 8 slots
     assert list(home.iterdir()) == []  # nothing written outside --output, caches included
+    # The EMA chosen after training: the recipe's, or a length rebuilt from the tracked profiles' snapshots
+    choice = summary["ema_choice"]
+    assert choice["tracked_sigma_rel"] == [0.1, 0.2] and choice["sweep_images"] == 4
+    assert list(choice["fid_by_ema"]) == ["recipe's EMA", "sigma_rel 0.1", "sigma_rel 0.15", "sigma_rel 0.2",
+                                          "sigma_rel 0.25"]
+    assert choice["chosen"] == min(choice["fid_by_ema"], key=choice["fid_by_ema"].get)
+    assert f"EMA {choice['chosen']}, chosen by FID on 4 samples of another seed" in first.stdout
+    assert json.loads((output / "demo.json").read_text())["ema_choice"] == choice
+    sweep = json.loads((output / "posthoc" / "sweep.json").read_text())
+    assert [row["sigma_rel"] for row in sweep["rows"]] == [0.1, 0.15, 0.2, 0.25]
+    assert [row["fid"] for row in sweep["rows"]] == list(choice["fid_by_ema"].values())[1:]
+    assert Image.open(output / "posthoc" / "sweep.png").size == (640, 360)
 
     resumed = run_demo(output, home, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     after = json.loads((output / "summary.json").read_text())
     assert after["steps"] == summary["steps"] + after["steps_this_run"] > summary["steps"]
+    assert after["ema_choice"] is None and load_checkpoint(str(output / "train" / "checkpoints" / sorted(os.listdir(
+        output / "train" / "checkpoints"))[-1]))["config"]["ema_profiles"] == "0.10,0.20"  # still tracked
 
     # An image budget: 70 images at the recipe's batch of 16 are five steps, on top of the resumed ones. The guide is
     # the checkpoint 40% of the way to the final step, or, when the runs before have passed that point, their guide.

@@ -1,7 +1,9 @@
-"""The demo: train the CPU recipe on the embedded Fashion-MNIST for a time budget, sample with the EMA
-model guided by its own state 40% of the way through the training (autoguidance, ``generation.Autoguidance``), save
-sample and real grids, and score FID, KID and precision/recall against the embedded data, each beside the real-data
-floor of the same protocol (the split's last --num_images real images against the same reference), and a verdict.
+"""The demo: train the CPU recipe on the embedded Fashion-MNIST for a time budget, choose the EMA length after
+training (post-hoc EMA: the lengths ``LENGTHS`` rebuilt from tracked profiles, and the recipe's own EMA, each scored by
+FID on --sweep_images samples of another seed than the protocol's), sample with the chosen EMA guided by the model 40%
+of the way through the training (autoguidance, ``generation.Autoguidance``), save sample and real grids, and score
+FID, KID and precision/recall against the embedded data, each beside the real-data floor of the same protocol (the
+split's last --num_images real images against the same reference), and a verdict.
 
     python -m megdiffusion.scripts.demo [--minutes 10 | --images 45000] [--output runs/demo] [--resume]
 
@@ -49,6 +51,9 @@ shared_flags.define_batch_size(100, "Sampling and Inception batch size.")
 # 2.5: the best of the weights tried on the recipe's checkpoints (benchmarks/README.md, "Design choices measured").
 shared_flags.define_guidance_weight(2.5, "Autoguidance weight: samples are guided by the model 40% of the way "
                                     "through the training (Karras et al. 2024); 1 turns it off.")
+define_integer("sweep_images", 200, "Samples (of another seed than the protocol's) that score each EMA length the "
+               "demo chooses from; 0: no choice, the recipe's EMA.", min=0, max=MAX_IMAGES)
+define_integer("snapshot_every", 100, "Snapshot the tracked post-hoc EMA profiles every this many steps.", min=1)
 flags.adopt_module_key_flags(cli)  # so that --help lists the flags defined there and in shared_flags
 flags.adopt_module_key_flags(shared_flags)
 
@@ -58,6 +63,11 @@ GUIDE = "guide.pkl"  # the checkpoint GUIDE_FRACTION of the way to the final ste
 GUIDE_FRACTION = 0.4
 KEPT_ON_RESTART = ("cache", "reference")
 CLOSE_TO_FLOOR = 1.5  # an FID within this factor of the real-data floor: "close to the data" (issue 18's goal)
+# Post-hoc EMA: the profiles the demo tracks, and the lengths it chooses from beside the recipe's EMA. A short run
+# is best averaged over much of it, so the span lies high (EDM2's 0.05,0.10 suit runs of many epochs).
+PROFILES = "0.10,0.20"
+LENGTHS = (0.10, 0.15, 0.20, 0.25)
+POSTHOC = "posthoc"  # the rebuilt lengths and their sweep (sweep.json, sweep.png), under --output
 
 
 def verdict(fid, floor):
@@ -93,9 +103,38 @@ def prepare_output(output, resume):
     write_text(os.path.join(output, MARKER), json.dumps({"created_by": "megdiffusion.scripts.demo"}) + "\n")
 
 
+def choose_ema(output, logdir, ema_model, score, tracked):
+    """The EMA the demo samples: of the recipe's EMA (``ema_model``) and the ``LENGTHS`` rebuilt from the run's
+    snapshots (none: the recipe's), the one of the lowest FID by ``score(model)``. Returns ``(model, record)``, the
+    record naming the choice and every candidate's FID, and the sweep's chart written under ``output``."""
+    from megdiffusion.metrics.sweep import write_sweep
+    from megdiffusion.sampling.jobs import load_model
+    from megdiffusion.training.checkpoint import list_snapshots, rebuild_ema
+
+    candidates = {"recipe's EMA": ema_model}
+    rows = []
+    if list_snapshots(logdir):
+        for rebuilt in rebuild_ema(logdir, LENGTHS, os.path.join(output, POSTHOC)):
+            candidates[f"sigma_rel {rebuilt['sigma_rel']:g}"] = load_model(rebuilt["path"], ema=True)[0]
+            rows.append({"sigma_rel": rebuilt["sigma_rel"], "condition_number": round(rebuilt["condition_number"])})
+    if len(candidates) == 1:  # a run without snapshots (resumed from before the demo tracked profiles)
+        return ema_model, {"chosen": "recipe's EMA", "fid_by_ema": {}, "tracked_sigma_rel": list(tracked)}
+    fids = {}
+    for name, model in candidates.items():
+        fids[name] = round(score(model), 2)
+        print(f"demo: EMA {name}: FID {fids[name]:.2f}", flush=True)
+    for row in rows:
+        row["fid"] = fids[f"sigma_rel {row['sigma_rel']:g}"]
+    if rows:
+        write_sweep(os.path.join(output, POSTHOC), rows, tracked, "the demo's choice")
+    chosen = min(fids, key=fids.get)
+    return candidates[chosen], {"chosen": chosen, "fid_by_ema": fids, "tracked_sigma_rel": list(tracked)}
+
+
 def demo(output, minutes, resume, config_path, num_images, num_reference, sampler, steps, batch_size,
-         train_images=None, guidance=1.0, spacing=None, order=None):
-    """Check everything, then (``output`` locked) train for ``minutes`` or ``train_images`` (this run), sample
+         train_images=None, guidance=1.0, spacing=None, order=None, sweep_images=200, snapshot_every=100):
+    """Check everything, then (``output`` locked) train for ``minutes`` or ``train_images`` (this run) tracking
+    post-hoc EMA profiles, choose the EMA (``choose_ema``, on ``sweep_images`` samples; 0: the recipe's), sample
     (guided by the model ``GUIDE_FRACTION`` of the way through the training when ``guidance`` > 1), draw grids
     and score; returns the summary dict (also written to summary.json)."""
     from megdiffusion.scripts.cli import UsageError, config_from_flagfile
@@ -104,8 +143,8 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
     from megdiffusion.diffusion.generation import Autoguidance
     from megdiffusion.files.images import make_grid, save_png
     from megdiffusion.sampling.jobs import check_sampler, load_model
-    from megdiffusion.training.checkpoint import list_checkpoints, load_latest
-    from megdiffusion.training.config import build_diffusion
+    from megdiffusion.training.checkpoint import config_of, list_checkpoints, load_latest
+    from megdiffusion.training.config import build_diffusion, profile_sigma_rels
     from megdiffusion.training.trainer import check_training, train
 
     logdir = os.path.join(output, "train")
@@ -116,6 +155,9 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
     # ends the run at its step.
     cfg, images = config_from_flagfile(config_path, logdir=logdir, resume=latest is not None,
                                        time_limit_minutes=minutes or 0)
+    # Post-hoc EMA's profiles (a run keeps those it started with; a recipe naming its own keeps them).
+    profiles = config_of(*latest).ema_profiles if latest else cfg.ema_profiles or (PROFILES if sweep_images else "")
+    cfg = dataclasses.replace(cfg, ema_profiles=profiles, snapshot_every=snapshot_every if profiles else 0)
     batches = -(-train_images // cfg.batch_size) if train_images else None
     if batches:
         cfg = dataclasses.replace(cfg, total_steps=start_step + batches)
@@ -157,6 +199,15 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
         real = reference_statistics(images[-num_images:], cache.format("last", num_images), batch_size, progress=True,
                                     keep_features=True)
         floor = compare(real, reference, METRICS)
+        choice = None
+        if sweep_images:
+            def sweep_fid(candidate):  # another seed's samples than the protocol's: the choice is not scored on them
+                return model_scores(candidate, diffusion, cfg.image_shape, reference, sweep_images, cfg.seed + 1,
+                                    sampler, steps, batch_size=batch_size, guidance=guide, spacing=spacing,
+                                    order=order)[0]["fid"]
+
+            model, choice = choose_ema(output, logdir, model, sweep_fid, profile_sigma_rels(cfg))
+            choice["sweep_images"] = sweep_images
         scores, samples = model_scores(model, diffusion, cfg.image_shape, reference, num_images, cfg.seed, sampler,
                                        steps, batch_size=batch_size, progress=True, guidance=guide, spacing=spacing,
                                        order=order, metrics=METRICS)
@@ -176,10 +227,12 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
                    "fid_reference": f"the first {num_reference} embedded Fashion-MNIST images",
                    "sampler": sampler_label(sampler, steps, spacing=spacing, order=order), "guidance": guidance,
                    "guide_step": guide_step,
-                   "guide_unconditional": bool(guide and guide.unconditional),
+                   "guide_unconditional": bool(guide and guide.unconditional), "ema_choice": choice,
                    "samples_grid": os.path.join(output, "samples.png"),
                    "real_grid": os.path.join(output, "real.png")}
         write_text(os.path.join(output, "summary.json"), json.dumps(summary, indent=2) + "\n")
+        write_text(os.path.join(output, MARKER), json.dumps({"created_by": "megdiffusion.scripts.demo",
+                                                              "ema_choice": choice}) + "\n")
     return summary
 
 
@@ -199,10 +252,13 @@ def main(argv):
         quiet_megengine()
         s = demo(FLAGS.output, minutes, FLAGS.resume, FLAGS.config or CPU_RECIPE,
                  FLAGS.num_images, FLAGS.num_reference, FLAGS.sampler, FLAGS.steps, FLAGS.batch_size, FLAGS.images,
-                 FLAGS.guidance, FLAGS.spacing, FLAGS.order)
+                 FLAGS.guidance, FLAGS.spacing, FLAGS.order, FLAGS.sweep_images, FLAGS.snapshot_every)
     unconditional = " unconditional" if s["guide_unconditional"] else ""
     guided = (f", guided by the step-{s['guide_step']}{unconditional} model with w={s['guidance']:g}"
               if s["guidance"] > 1 else "")
+    choice = s["ema_choice"]
+    chosen = (f"; EMA {choice['chosen']}, chosen by FID on {choice['sweep_images']} samples of another seed"
+              if choice else "")
     print(f"\ndemo: {s['steps']} training steps ({s['steps_this_run']} in this run, {s['train_minutes']} min, "
           f"{s['train_images_per_s']} images/s)\n"
           f"demo: FID {s['fid']:.2f} (real-data floor {s['fid_floor']:.1f} in this protocol): {s['verdict']}\n"
@@ -210,7 +266,7 @@ def main(argv):
           f"{s['kid_std_floor'] * 1e3:.2f}), precision {s['precision']:.2f} (floor {s['precision_floor']:.2f}), "
           f"recall {s['recall']:.2f} (floor {s['recall_floor']:.2f}); {FEATURE_NETWORK} features, KID on "
           f"{s['kid_subsets']} subsets of {s['kid_subset_size']}, precision/recall with k={NEIGHBOURS}\n"
-          f"demo: the protocol: {s['fid_num_images']} EMA samples ({s['sampler']}{guided}) vs "
+          f"demo: the protocol: {s['fid_num_images']} EMA samples ({s['sampler']}{guided}{chosen}) vs "
           f"{s['fid_reference']}; the floor scores the split's last {s['fid_num_images']} real images the same way\n"
           f"demo: samples {s['samples_grid']}  real images {s['real_grid']}  summary "
           f"{os.path.join(FLAGS.output, 'summary.json')}")

@@ -28,6 +28,7 @@ OWN_FLAGS = {
     ("demo", "output"): "the demo's own directory (default runs/demo); sample's must be given",
     ("posthoc_ema", "output"): "a directory of checkpoints, not of images",
     ("demo", "resume"): "continues the demo's training and scores again",
+    ("demo", "snapshot_every"): "the demo always tracks post-hoc EMA profiles, to choose its EMA length",
     ("export", "batch_size"): "the batch the .mge graph is traced at (it runs at any batch)",
     ("convert", "ema"): "picks the weights of a file that holds two sets; most published files hold one, so raw",
     **{("convert", name): "describes a published file's network where the file does not (default: read from it)"
