@@ -281,7 +281,7 @@ class TrainingRun:
         where = os.path.join(cfg.logdir, ckpt.SNAPSHOT_DIR)
         return (f"{line}; a snapshot every {cfg.snapshot_every:,} steps in {where} "
                 f"holds {profiles} x {size / profiles / 2 ** 20:,.1f} MiB ({cfg.snapshot_dtype}): {count:,} snapshots, "
-                f"{count * size / 2 ** 30:,.2f} GiB over the run{halved}")
+                f"{count * size / 2 ** 30:,.2f} GiB to --total_steps{halved}")
 
     def _on_signal(self, signum, frame):
         self.stop_signal = signum
