@@ -276,7 +276,7 @@ CASES = [
     ("master-ip-on-one-machine", "train", [*TRAIN, "--master_ip=10.0.0.1"],
      "--master_ip does nothing without --world_size above --num_gpus (several machines)"),
     ("sampler-without-a-model", "fid", ["--sampler=euler", "images", "images"],
-     "--sampler does nothing without --ckpt (scoring a model's samples)"),
+     "--sampler does nothing without --ckpt or --sweep (scoring a model's samples)"),
     ("overwrite-without-save-stats", "fid", ["--overwrite", "images", "images"],
      "--overwrite does nothing without --save_stats"),
     # cause I: a message that contradicts itself

@@ -24,7 +24,7 @@ from absl import flags
 
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.solvers import sampler_label
-from megdiffusion.training.config import CPU_RECIPE
+from megdiffusion.training.config import CPU_RECIPE, field_bounds
 from megdiffusion.files.disk import copy_file, output_directory, save_npz, write_text
 from megdiffusion.metrics.kid_pr import NEIGHBOURS
 from megdiffusion.metrics.scores import FEATURE_NETWORK
@@ -53,7 +53,8 @@ shared_flags.define_guidance_weight(2.5, "Autoguidance weight: samples are guide
                                     "through the training (Karras et al. 2024); 1 turns it off.")
 define_integer("sweep_images", 200, "Samples (of another seed than the protocol's) that score each EMA length the "
                "demo chooses from; 0: no choice, the recipe's EMA.", min=0, max=MAX_IMAGES)
-define_integer("snapshot_every", 100, "Snapshot the tracked post-hoc EMA profiles every this many steps.", min=1)
+define_integer("snapshot_every", 100, "Snapshot the tracked post-hoc EMA profiles every this many steps (0: never, "
+               "so the recipe's EMA is the only choice).", **field_bounds("snapshot_every"))
 flags.adopt_module_key_flags(cli)  # so that --help lists the flags defined there and in shared_flags
 flags.adopt_module_key_flags(shared_flags)
 

@@ -92,9 +92,6 @@ def reference_of(reference_spec, metrics):
     ``metrics`` and --num_images."""
     from megdiffusion.metrics.fid import open_source
 
-    if not FLAGS.num_images:
-        raise UsageError(f"--{'ckpt' if FLAGS.ckpt else 'sweep'} needs --num_images (how many samples to score; "
-                         "papers use 50,000)")
     source = open_source(reference_spec, need_features=needs_features(metrics), image_size=FLAGS.image_size,
                          seed=FLAGS.seed)
     if needs_features(metrics):
@@ -212,6 +209,9 @@ def main(argv):
             if len(paths) != 1:
                 raise UsageError(f"with --{'ckpt' if FLAGS.ckpt else 'sweep'} give one reference PATH (images or "
                                  f"stats npz); got {len(paths)}")
+            if not FLAGS.num_images:
+                raise UsageError(f"--{'ckpt' if FLAGS.ckpt else 'sweep'} needs --num_images (how many samples to "
+                                 "score; papers use 50,000)")
             (score_model if FLAGS.ckpt else sweep)(paths[0], metrics)
             return
         if FLAGS.floor:
