@@ -49,7 +49,8 @@ def model_scores(model, diffusion, image_shape, reference, num_images, seed=0, s
                               order=order)
     if bar is not None:
         bar.close()
-    generated = fid.statistics_of_images(samples, progress=progress, keep_features=needs_features(metrics))
+    keep = needs_features(metrics) or fid.worth_keeping(num_images)
+    generated = fid.statistics_of_images(samples, progress=progress, keep_features=keep)
     return compare(generated, reference, metrics, kid_subsets, kid_subset_size, kid_seed), samples
 
 

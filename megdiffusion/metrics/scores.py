@@ -1,7 +1,7 @@
 """The metrics of a generated set against a real one, on the sets' :class:`fid.Statistics`: FID, KID and
 precision/recall, as the fid script, the training's ``--fid_every`` and the demo compute and print them."""
 from megdiffusion.metrics import kid_pr
-from megdiffusion.metrics.fid import FIDError, frechet_distance
+from megdiffusion.metrics.fid import FIDError, fid_between
 
 METRICS = ("fid", "kid", "pr")
 FEATURE_NETWORK = "Inception-v3 pool3"  # the features of every metric here
@@ -41,7 +41,7 @@ def compare(generated, real, metrics=("fid",), kid_subsets=kid_pr.KID_SUBSETS, k
     kid_std, kid_subsets, kid_subset_size; precision, recall, f_score."""
     scores = {}
     if "fid" in metrics:
-        scores["fid"] = frechet_distance(generated.mu, generated.sigma, real.mu, real.sigma)
+        scores["fid"] = fid_between(generated, real)
     if "kid" in metrics:
         kid = kid_pr.kernel_inception_distance(generated.features, real.features, kid_subsets, kid_subset_size,
                                                kid_seed)

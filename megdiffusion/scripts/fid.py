@@ -75,6 +75,15 @@ def _statistics(source, keep_features):
     return statistics_of_source(source, FLAGS.batch_size, FLAGS.progress, FLAGS.inception_weights, keep_features)
 
 
+def _scored(source, metrics):
+    """The statistics of ``source`` for ``metrics``, with its features when they need them or make the FID cheaper."""
+    from megdiffusion.metrics.fid import Statistics, worth_keeping
+
+    if isinstance(source, Statistics):  # a statistics file, as it is
+        return source
+    return _statistics(source, needs_features(metrics) or worth_keeping(len(source)))
+
+
 def _set_size(source):
     """How many images an opened source stands for (a statistics file: its features)."""
     from megdiffusion.metrics.fid import Statistics
@@ -179,7 +188,7 @@ def floor_lines(paths, metrics):
                          "images")
     halves = [random_subset(images, half, FLAGS.seed, skip) for skip in (0, half)]
     check_sizes(metrics, half, half, FLAGS.kid_subset_size)
-    first, second = (_statistics(images, needs_features(metrics)) for images in halves)
+    first, second = (_scored(images, metrics) for images in halves)
     scores = compare(first, second, metrics, FLAGS.kid_subsets, FLAGS.kid_subset_size, FLAGS.kid_seed)
     return [f"{line} (real-data floor: two disjoint random halves of {half} images of {paths[0]}, seed {FLAGS.seed})"
             for line in score_lines(scores)]
@@ -238,7 +247,7 @@ def main(argv):
                    for path in paths]
         if needs_features(metrics):
             check_sizes(metrics, *map(_set_size, sources), FLAGS.kid_subset_size)
-        generated, real = (_statistics(source, needs_features(metrics)) for source in sources)
+        generated, real = (_scored(source, metrics) for source in sources)
         for line in score_lines(compare(generated, real, metrics, FLAGS.kid_subsets, FLAGS.kid_subset_size,
                                         FLAGS.kid_seed)):
             print(line)
