@@ -36,6 +36,7 @@ def steps_for(sampler, calls, guided):
 def measure(run_dir, sampler, spacing, calls, guided, num_images=500, batch_size=100):
     """One point: FID and sampling seconds of ``num_images`` samples of the run's final EMA model."""
     from megdiffusion.diffusion.generation import Autoguidance, generate_images
+    from megdiffusion.diffusion.sampler_settings import SamplerSettings
     from megdiffusion.metrics import fid
     from megdiffusion.sampling.jobs import load_model
 
@@ -46,8 +47,9 @@ def measure(run_dir, sampler, spacing, calls, guided, num_images=500, batch_size
     reference = fid.load_statistics(os.path.join(run_dir, "reference", "fashion_mnist_first1000.npz"))
     steps = steps_for(sampler, calls, guided)
     started = time.perf_counter()
-    samples = generate_images(model, diffusion, cfg.image_shape, range(num_images), cfg.seed, sampler, steps,
-                              batch_size=batch_size, guidance=guide, spacing=None if spacing == "default" else spacing)
+    settings = SamplerSettings(sampler, steps, spacing=None if spacing == "default" else spacing)
+    samples = generate_images(model, diffusion, cfg.image_shape, range(num_images), cfg.seed, settings,
+                              batch_size=batch_size, guidance=guide)
     sampled = time.perf_counter()
     generated = fid.statistics_of_images(samples)
     value = fid.frechet_distance(generated.mu, generated.sigma, reference.mu, reference.sigma)

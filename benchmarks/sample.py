@@ -21,6 +21,7 @@ mge = quiet_megengine()
 from megengine import jit  # noqa: E402
 
 from megdiffusion.diffusion.generation import generate_images  # noqa: E402
+from megdiffusion.diffusion.sampler_settings import SamplerSettings  # noqa: E402
 from megdiffusion.sampling.jobs import sample_to_directory  # noqa: E402
 from megdiffusion.training.config import CPU_RECIPE, build_diffusion, build_model  # noqa: E402
 from megdiffusion.scripts.cli import config_from_flagfile  # noqa: E402
@@ -86,12 +87,13 @@ def time_job(model, diffusion, cfg, args):
     for _ in range(args.rounds):
         with tempfile.TemporaryDirectory() as output:
             start = time.perf_counter()
-            sample_to_directory(model, diffusion, cfg.image_shape, output, args.job, 0, sampler, steps,
-                                batch_size=args.batch_size, progress=False)
+            sample_to_directory(model, diffusion, cfg.image_shape, output, args.job, 0,
+                                SamplerSettings(sampler, steps), batch_size=args.batch_size, progress=False)
             seconds["once_per_job"].append(time.perf_counter() - start)
         start = time.perf_counter()
         for indices in batches:
-            generate_images(model, diffusion, cfg.image_shape, indices, 0, sampler, steps, batch_size=args.batch_size)
+            generate_images(model, diffusion, cfg.image_shape, indices, 0, SamplerSettings(sampler, steps),
+                            batch_size=args.batch_size)
         seconds["once_per_batch"].append(time.perf_counter() - start)
     best = {way: min(values) for way, values in seconds.items()}
     print(json.dumps({"benchmark": "sample_job", "sampler": f"{sampler}-{steps}", "images": args.job,

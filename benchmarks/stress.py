@@ -52,6 +52,7 @@ def child(args):
     from megdiffusion.files.images import to_float
     from megdiffusion.cpu import conv
     from megdiffusion.diffusion.generation import generate_images
+    from megdiffusion.diffusion.sampler_settings import SamplerSettings
     from megdiffusion.training.config import CPU_RECIPE
     from megdiffusion.scripts.cli import config_from_flagfile
     from megdiffusion.training.trainer import Trainer
@@ -76,7 +77,8 @@ def child(args):
             if result["steps"] % args.sample_every == 0:
                 with trainer.state() as state:
                     generate_images(state.ema, trainer.diffusion, cfg.image_shape, range(args.sample_batch),
-                                    args.seed, "ddim", args.sample_steps, batch_size=args.sample_batch)
+                                    args.seed, SamplerSettings("ddim", args.sample_steps),
+                                    batch_size=args.sample_batch)
                 result["sample_calls"] += 1
     except Exception as error:  # noqa: BLE001 -- the harness reports whatever MegEngine raised
         result["error"] = (megengine_error_cause(error) if is_megengine_error(error)

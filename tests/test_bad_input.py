@@ -19,6 +19,7 @@ import pytest
 from megdiffusion.compat import cuda_driver_loadable
 from megdiffusion.data.prepared import prepare
 from megdiffusion.data.sources import ArraySource, FolderSource
+from megdiffusion.diffusion.sampler_settings import SamplerSettings
 from megdiffusion.files.images import read_image, save_png
 from megdiffusion.training.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from megdiffusion.training.config import CPU_RECIPE
@@ -47,8 +48,8 @@ def shared(tmp_path_factory, tiny_config, tiny_images):
     np.savez(root / "labelled.npz", arr_0=tiny_images(16), arr_1=np.arange(16) % 3)
     train(cfg.replace(data_path=str(root / "labelled.npz"), logdir=str(root / "conditional"), num_classes=3),
           tiny_images(16), progress=False)
-    sampling.run_job(sampling.SampleJob(str(root / "run"), str(root / "samples"), 2, sampler="ddim", steps=2,
-                                        progress=False))
+    sampling.run_job(sampling.SampleJob(str(root / "run"), str(root / "samples"), 2,
+                                        settings=SamplerSettings("ddim", 2), progress=False))
     shutil.copytree(root / "samples", root / "samples_truncated")
     png = (root / "samples_truncated" / "000001.png").read_bytes()
     (root / "samples_truncated" / "000001.png").write_bytes(png[: len(png) // 2])
@@ -108,8 +109,8 @@ def shared(tmp_path_factory, tiny_config, tiny_images):
 
     # sample directories of other settings, flagfiles (two GPUs, including themselves), a linked dataset
     for name, order in (("order3_out", 3), ("logsnr_out", None)):
-        sampling.run_job(sampling.SampleJob(str(root / "run"), str(root / name), 2, sampler="unipc", steps=4,
-                                            order=order, spacing="logsnr" if order is None else None,
+        settings = SamplerSettings("unipc", 4, order=order, spacing="logsnr" if order is None else None)
+        sampling.run_job(sampling.SampleJob(str(root / "run"), str(root / name), 2, settings=settings,
                                             progress=False))
     (root / "two_gpus.cfg").write_text(Path(CPU_RECIPE).read_text() + "--num_gpus=2\n")
     (root / "self.cfg").write_text("--batch_size=8\n--flagfile=self.cfg\n")

@@ -13,6 +13,7 @@ from megdiffusion.metrics import evaluate
 from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.spacing import space_timesteps
 from megdiffusion.diffusion.generation import generate_images
+from megdiffusion.diffusion.sampler_settings import SamplerSettings
 from megdiffusion.training.trainer import TrainingRun
 
 quiet_megengine()
@@ -45,9 +46,9 @@ def test_the_run_learns_a_variance_and_samples_with_respacing(logdir, tmp_path):
                         "--sampler=ddpm", "--respacing=5")
     assert result.returncode == 0, result.stderr
     assert json.loads((out / "manifest.json").read_text())["respacing"] == "5"
-    expected = generate_images(model, diffusion, (1, 8, 8), range(3), 0, "ddpm", respacing="5")
+    expected = generate_images(model, diffusion, (1, 8, 8), range(3), 0, SamplerSettings("ddpm", respacing="5"))
     np.testing.assert_array_equal(sampling.read_samples(out, 3), expected)
-    ddim = generate_images(model, diffusion, (1, 8, 8), range(3), 0, "ddim", respacing="ddim5")
+    ddim = generate_images(model, diffusion, (1, 8, 8), range(3), 0, SamplerSettings("ddim", respacing="ddim5"))
     assert not np.array_equal(ddim, expected)
     refused = run_script("sample", f"--ckpt={logdir}", f"--output={tmp_path / 'other'}", "--num_images=1",
                          "--steps=5", "--respacing=5")

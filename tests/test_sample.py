@@ -15,6 +15,7 @@ from megdiffusion.sampling import jobs
 from megdiffusion.compat import cuda_driver_loadable, quiet_megengine
 from megdiffusion.diffusion.solvers import SOLVERS
 from megdiffusion.diffusion.generation import Autoguidance, _Guided, generate_images
+from megdiffusion.diffusion.sampler_settings import SamplerSettings
 from megdiffusion.nn.options import NO_CLASS
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
@@ -42,7 +43,7 @@ def loaded(logdir):
 
 def generate(loaded, indices, seed=0, sampler="ddpm", steps=None, batch_size=8):
     model, diffusion = loaded
-    return generate_images(model, diffusion, SHAPE, indices, seed, sampler, steps, 0.0, batch_size)
+    return generate_images(model, diffusion, SHAPE, indices, seed, SamplerSettings(sampler, steps), batch_size)
 
 
 def test_same_seed_same_bytes_other_seed_other_images(loaded):
@@ -62,8 +63,8 @@ def test_split_runs_equal_one_run(loaded):
 def test_ema_and_raw_weights_differ(logdir):
     ema_model, diffusion, _, _ = sampling.load_model(str(logdir), ema=True)
     raw_model, _, _, _ = sampling.load_model(str(logdir), ema=False)
-    ema = generate_images(ema_model, diffusion, SHAPE, range(4), 0, "ddim", 5)
-    raw = generate_images(raw_model, diffusion, SHAPE, range(4), 0, "ddim", 5)
+    ema = generate_images(ema_model, diffusion, SHAPE, range(4), 0, SamplerSettings("ddim", 5))
+    raw = generate_images(raw_model, diffusion, SHAPE, range(4), 0, SamplerSettings("ddim", 5))
     assert not np.array_equal(ema, raw)
 
 
@@ -72,11 +73,12 @@ def test_autoguidance_samples_the_guide_plus_weight_times_the_difference(logdir)
     computed here by MegEngine's own modules (the fast path runs neither network there), and not the unguided ones."""
     good, diffusion, _, _ = sampling.load_model(str(logdir), ema=True)
     bad = sampling.load_model(str(logdir), ema=False)[0]
-    guided = generate_images(good, diffusion, SHAPE, range(6), 0, "ddpm", 5, guidance=Autoguidance(bad, 2.5))
+    guided = generate_images(good, diffusion, SHAPE, range(6), 0,
+                             SamplerSettings("ddpm", 5), guidance=Autoguidance(bad, 2.5))
     by_hand = generate_images(lambda x, t: bad(x, t) + 2.5 * (good(x, t) - bad(x, t)), diffusion, SHAPE, range(6), 0,
-                              "ddpm", 5)
+                              SamplerSettings("ddpm", 5))
     assert np.abs(guided.astype(int) - by_hand).max() <= 1  # float rounding of the two networks' arithmetic
-    unguided = generate_images(good, diffusion, SHAPE, range(6), 0, "ddpm", 5)
+    unguided = generate_images(good, diffusion, SHAPE, range(6), 0, SamplerSettings("ddpm", 5))
     assert np.abs(guided.astype(int) - unguided).mean() > 2
 
 
@@ -114,17 +116,18 @@ def test_a_class_conditional_models_image_i_is_of_class_i_mod_num_classes(condit
             y = mge.tensor(np.full(len(x), c, np.int32))
             return bad(x, t, y) + 2.5 * (good(x, t, y) - bad(x, t, y)) if guided else good(x, t, y)
 
-        return generate_images(network, diffusion, SHAPE, range(6), 0, "ddpm", 5, batch_size=6)
+        return generate_images(network, diffusion, SHAPE, range(6), 0, SamplerSettings("ddpm", 5), batch_size=6)
 
-    images = generate_images(good, diffusion, SHAPE, range(6), 0, "ddpm", 5, batch_size=4)
-    guided = generate_images(good, diffusion, SHAPE, range(6), 0, "ddpm", 5, batch_size=4,
+    images = generate_images(good, diffusion, SHAPE, range(6), 0, SamplerSettings("ddpm", 5), batch_size=4)
+    guided = generate_images(good, diffusion, SHAPE, range(6), 0, SamplerSettings("ddpm", 5), batch_size=4,
                              guidance=Autoguidance(bad, 2.5))
     for got, is_guided in ((images, False), (guided, True)):
         by_class = [of_class(c, is_guided) for c in range(3)]
         expected = np.stack([by_class[i % 3][i] for i in range(6)])
         assert np.abs(got.astype(int) - expected).max() <= 1  # float rounding of the two paths
         assert np.abs(by_class[0].astype(int) - by_class[1]).mean() > 2
-    one_class = generate_images(good, diffusion, SHAPE, range(6), 0, "ddpm", 5, batch_size=4, class_label=2)
+    one_class = generate_images(good, diffusion, SHAPE, range(6), 0,
+                                SamplerSettings("ddpm", 5), batch_size=4, class_label=2)
     assert np.abs(one_class.astype(int) - of_class(2)).max() <= 1
 
 
@@ -144,15 +147,16 @@ def test_an_unconditional_guide_predicts_without_a_class(conditional_logdir):
             y, none = mge.tensor(np.full(len(x), c, np.int32)), mge.tensor(np.full(len(x), NO_CLASS, np.int32))
             return guide(x, t, none) + 2.5 * (good(x, t, y) - guide(x, t, none))
 
-        return generate_images(network, diffusion, SHAPE, range(6), 0, "ddpm", 5, batch_size=6)
+        return generate_images(network, diffusion, SHAPE, range(6), 0, SamplerSettings("ddpm", 5), batch_size=6)
 
     for guide in (bad, good):
-        got = generate_images(good, diffusion, SHAPE, range(6), 0, "ddpm", 5, batch_size=4,
+        got = generate_images(good, diffusion, SHAPE, range(6), 0, SamplerSettings("ddpm", 5), batch_size=4,
                               guidance=Autoguidance(guide, 2.5, unconditional=True))
         by_class = [of_class(c, guide) for c in range(3)]
         assert np.abs(got.astype(int) - np.stack([by_class[i % 3][i] for i in range(6)])).max() <= 1
-    seeing_the_class = generate_images(good, diffusion, SHAPE, range(6), 0, "ddpm", 5, guidance=Autoguidance(bad, 2.5))
-    unconditional_guide = generate_images(good, diffusion, SHAPE, range(6), 0, "ddpm", 5,
+    seeing_the_class = generate_images(good, diffusion, SHAPE, range(6), 0,
+                                       SamplerSettings("ddpm", 5), guidance=Autoguidance(bad, 2.5))
+    unconditional_guide = generate_images(good, diffusion, SHAPE, range(6), 0, SamplerSettings("ddpm", 5),
                                           guidance=Autoguidance(bad, 2.5, unconditional=True))
     assert np.abs(seeing_the_class.astype(int) - unconditional_guide).mean() > 2
 
@@ -160,13 +164,14 @@ def test_an_unconditional_guide_predicts_without_a_class(conditional_logdir):
 def test_class_label_of_the_sample_script(conditional_logdir, tmp_path):
     """--class_label: every image of that class, and a setting of the output directory (refused classes:
     test_bad_input)."""
-    job = sampling.SampleJob(str(conditional_logdir), str(tmp_path / "c1"), 3, sampler="ddim", steps=3,
+    job = sampling.SampleJob(str(conditional_logdir), str(tmp_path / "c1"), 3, settings=SamplerSettings("ddim", 3),
                              progress=False, class_label=1)
     sampling.run_job(job)
     assert json.loads((tmp_path / "c1" / "manifest.json").read_text())["class_label"] == 1
     good, diffusion, _, _ = sampling.load_model(str(conditional_logdir))
     np.testing.assert_array_equal(sampling.read_samples(tmp_path / "c1", 3),
-                                  generate_images(good, diffusion, SHAPE, range(3), 0, "ddim", 3, class_label=1))
+                                  generate_images(good, diffusion, SHAPE, range(3), 0,
+                                                  SamplerSettings("ddim", 3), class_label=1))
     with pytest.raises(sampling.SamplingError, match="holds images made with other settings .*class_label: 1 -> 2"):
         sampling.run_job(dataclasses.replace(job, class_label=2))
 
@@ -205,8 +210,8 @@ def test_a_job_builds_its_network_once_and_writes_what_each_batch_would(loaded, 
     real_init, real_close = native.NativeModel.__init__, native.NativeModel.close
     monkeypatch.setattr(native.NativeModel, "__init__", lambda self, m: (built.append(1), real_init(self, m))[1])
     monkeypatch.setattr(native.NativeModel, "close", lambda self: (closed.append(1), real_close(self))[1])
-    assert sampling.sample_to_directory(model, diffusion, SHAPE, tmp_path, 12, seed=3, sampler="ddim", steps=3,
-                                        batch_size=4, progress=False) == 12
+    assert sampling.sample_to_directory(model, diffusion, SHAPE, tmp_path, 12, seed=3,
+                                        settings=SamplerSettings("ddim", 3), batch_size=4, progress=False) == 12
     assert built == closed == [1] if native.enabled() else built == []
     batches = [generate(loaded, range(i, i + 4), seed=3, sampler="ddim", steps=3) for i in (0, 4, 8)]
     np.testing.assert_array_equal(sampling.read_samples(tmp_path, 12), np.concatenate(batches))
@@ -263,10 +268,13 @@ def test_cli_bad_input_one_line_exit_2(logdir, tmp_path, case, message):
 
 
 def job(logdir, output, **changes):
-    """4-step DDIM samples of the tiny run, written to ``output``."""
-    values = dict(ckpt=str(logdir), output=str(output), num_images=6, sampler="ddim", steps=4, batch_size=4,
-                  progress=False)
-    return sampling.SampleJob(**{**values, **changes})
+    """4-step DDIM samples of the tiny run, written to ``output`` (``changes``: of the job, or of its sampler
+    settings)."""
+    names = {field.name for field in dataclasses.fields(SamplerSettings)}
+    settings = SamplerSettings(**{"sampler": "ddim", "steps": 4,
+                                  **{k: v for k, v in changes.items() if k in names}})
+    values = dict(ckpt=str(logdir), output=str(output), num_images=6, settings=settings, batch_size=4, progress=False)
+    return sampling.SampleJob(**{**values, **{k: v for k, v in changes.items() if k not in names}})
 
 
 def test_a_spawned_process_needs_only_the_job(logdir, tmp_path):
@@ -331,13 +339,14 @@ def test_solvers_image_i_comes_from_seed_and_i_and_guidance_guides_every_call(lo
     good, diffusion, _, _ = sampling.load_model(str(logdir), ema=True)
     bad = sampling.load_model(str(logdir), ema=False)[0]
     steps = 4
-    whole = generate_images(good, diffusion, SHAPE, range(6), 0, sampler, steps, batch_size=6)
-    parts = [generate_images(good, diffusion, SHAPE, chunk, 0, sampler, steps, batch_size=len(chunk))
+    whole = generate_images(good, diffusion, SHAPE, range(6), 0, SamplerSettings(sampler, steps), batch_size=6)
+    parts = [generate_images(good, diffusion, SHAPE, chunk, 0, SamplerSettings(sampler, steps), batch_size=len(chunk))
              for chunk in (range(0, 2), range(2, 6))]
     np.testing.assert_array_equal(whole, np.concatenate(parts))
-    guided = generate_images(good, diffusion, SHAPE, range(6), 0, sampler, steps, guidance=Autoguidance(bad, 2.5))
+    guided = generate_images(good, diffusion, SHAPE, range(6), 0, SamplerSettings(sampler, steps),
+                             guidance=Autoguidance(bad, 2.5))
     by_hand = generate_images(lambda x, t: bad(x, t) + 2.5 * (good(x, t) - bad(x, t)), diffusion, SHAPE, range(6), 0,
-                              sampler, steps)
+                              SamplerSettings(sampler, steps))
     assert np.abs(guided.astype(int) - by_hand).max() <= 1
     assert np.abs(guided.astype(int) - whole).mean() > 2
 
@@ -346,11 +355,11 @@ def test_a_solver_samples_a_class_conditional_model_per_class(conditional_logdir
     """unipc on a class-conditional model: image i of class i mod 3 (each image equals the one drawn alone with
     --class_label i mod 3), and other classes give other images."""
     model, diffusion, _, _ = sampling.load_model(str(conditional_logdir))
-    mixed = generate_images(model, diffusion, SHAPE, range(3), 0, "unipc", 4)
+    mixed = generate_images(model, diffusion, SHAPE, range(3), 0, SamplerSettings("unipc", 4))
     for i in range(3):
-        alone = generate_images(model, diffusion, SHAPE, [i], 0, "unipc", 4, class_label=i)
+        alone = generate_images(model, diffusion, SHAPE, [i], 0, SamplerSettings("unipc", 4), class_label=i)
         np.testing.assert_array_equal(mixed[i], alone[0])
-    other = generate_images(model, diffusion, SHAPE, [0], 0, "unipc", 4, class_label=1)
+    other = generate_images(model, diffusion, SHAPE, [0], 0, SamplerSettings("unipc", 4), class_label=1)
     assert not np.array_equal(mixed[0], other[0])
 
 
@@ -385,3 +394,18 @@ def test_a_directory_continues_when_its_defaults_are_spelt_out(logdir, tmp_path)
     assert len(list(output.glob("*.png"))) == 4 + 1  # the images and grid.png
     with pytest.raises(sampling.SamplingError, match=r"other settings \(order: 2 -> 3\)"):
         sampling.run_job(job(logdir, output, sampler="unipc", order=3, steps=None, num_images=6))
+
+
+def test_sampler_settings_are_the_sampler_arguments_of_gaussian_diffusion_sample():
+    """``SamplerSettings`` is the one spelling of the sampler's arguments: each field is a keyword of
+    ``GaussianDiffusion.sample`` with the same default, so ``arguments()`` passes them all and nothing else."""
+    import inspect
+
+    from megdiffusion.diffusion import GaussianDiffusion
+
+    parameters = inspect.signature(GaussianDiffusion.sample).parameters
+    for field in dataclasses.fields(SamplerSettings):
+        assert parameters[field.name].default == field.default, field.name
+    settings = SamplerSettings("unipc", 7, spacing="karras", order=3)
+    assert settings.arguments() == dict(sampler="unipc", steps=7, eta=0.0, respacing=None, spacing="karras", order=3)
+    assert settings.label() == "unipc3-7 karras"

@@ -23,6 +23,7 @@ import pytest
 from megengine import Tensor
 
 from megdiffusion.diffusion import GaussianDiffusion, make_beta_schedule, samplers, solvers
+from megdiffusion.diffusion.sampler_settings import SamplerSettings
 
 REFERENCE = Path(os.environ.get("MEGDIFFUSION_SOLVER_REFERENCE") or Path(__file__).parent / "fixtures" / "solvers")
 CASES = json.loads((REFERENCE / "cases.json").read_text())["cases"]
@@ -336,12 +337,12 @@ def test_a_solvers_steps_are_bounded_by_the_models_timesteps(sampler, spacing):
     assert np.all(np.diff(grid.sigmas[:-1]) < 0) and np.all(grid.sigmas[:-1] > 0)
     if not fractional:
         with pytest.raises(ValueError, match=f"{sampler} takes at most {most} steps there"):
-            diffusion.check_sampling(sampler, most + 1, spacing=spacing)
+            SamplerSettings(sampler, most + 1, spacing=spacing).check(diffusion)
 
 
 def _accepts(diffusion, sampler, steps, spacing):
     try:
-        diffusion.check_sampling(sampler, steps, spacing=spacing)
+        SamplerSettings(sampler, steps, spacing=spacing).check(diffusion)
     except ValueError:
         return False
     return True

@@ -18,7 +18,8 @@ import megengine.functional as F
 from megengine import Tensor
 
 from megdiffusion.diffusion import samplers, solvers
-from megdiffusion.diffusion.choices import ANCESTRAL, LEARNED_VAR_TYPES, LOSS_TYPES, MEAN_TYPES, SAMPLERS, VAR_TYPES
+from megdiffusion.diffusion.choices import ANCESTRAL, LEARNED_VAR_TYPES, LOSS_TYPES, MEAN_TYPES, VAR_TYPES
+from megdiffusion.diffusion.sampler_settings import SamplerSettings
 from megdiffusion.diffusion.losses import discretized_gaussian_log_likelihood, mean_flat, normal_kl
 from megdiffusion.diffusion.spacing import sampling_timesteps
 
@@ -406,48 +407,6 @@ class GaussianDiffusion:
             timesteps = sampling_timesteps(self.num_timesteps, steps, respacing)
         return self if len(timesteps) == self.num_timesteps else self.respace(timesteps)
 
-    def check_sampling(self, sampler, steps=None, eta=0.0, respacing=None, spacing=None, order=None):
-        """Raise ValueError (one line) unless ``sample`` accepts these settings."""
-        _check_choice("sampler", sampler, SAMPLERS)
-        if not (math.isfinite(eta) and eta >= 0) or (eta and sampler != "ddim"):
-            raise ValueError(f"eta must be a finite number >= 0 and is only used by the ddim sampler, got eta={eta}")
-        if sampler in ANCESTRAL:
-            if order is not None:
-                raise ValueError(f"--order is for the multistep solvers ({', '.join(solvers.MULTISTEP)}); "
-                                 f"{sampler} has none")
-            if spacing not in (None,) + solvers.INTEGER_SPACINGS:
-                raise ValueError(f"{sampler} steps between timesteps: --spacing must be one of "
-                                 f"{', '.join(solvers.INTEGER_SPACINGS)}, got {spacing!r}")
-            if spacing and respacing:
-                raise ValueError(f"give --spacing or --respacing, not both (got {spacing!r} and {respacing!r})")
-            sampling_timesteps(self.num_timesteps, steps, respacing)  # the step count's bounds, whatever the spacing
-            return
-        if respacing:
-            raise ValueError(f"--respacing is for ddpm and ddim; {sampler} takes --steps and --spacing")
-        if self.mean_type == "xprev":
-            raise ValueError(f"{sampler} needs the model's x_0 prediction, which a mean_type 'xprev' model does not "
-                             "give; sample it with ddpm or ddim")
-        steps, spacing = solvers.with_defaults(steps, spacing)
-        solvers.check_solver(sampler, steps, spacing, order)
-        if not solvers.distinct_levels(self.alphas_cumprod, steps, spacing, sampler):
-            most = next(s for s in range(min(steps, self.num_timesteps), 0, -1)
-                        if solvers.distinct_levels(self.alphas_cumprod, s, spacing, sampler))
-            raise ValueError(f"--steps {steps} is more than --spacing {spacing} can place on this model's "
-                             f"{self.num_timesteps} timesteps without repeating a noise level: {sampler} takes at "
-                             f"most {most} steps there")
-
-    def resolved_sampling(self, sampler, steps=None, respacing=None, spacing=None, order=None):
-        """The sampler settings as ``sample`` runs them, every default filled in ({"sampler", "steps", "respacing",
-        "spacing", "order"}): one dict for every spelling of the same run, whatever was left out or spelt out."""
-        if sampler in ANCESTRAL:
-            if respacing:
-                return dict(sampler=sampler, steps=None, respacing=respacing, spacing=None, order=None)
-            return dict(sampler=sampler, steps=self.num_timesteps if steps is None else steps, respacing=None,
-                        spacing=spacing or "leading", order=None)
-        steps, spacing = solvers.with_defaults(steps, spacing)
-        return dict(sampler=sampler, steps=steps, respacing=None, spacing=spacing,
-                    order=order or solvers.ORDERS[sampler][0])
-
     def sample(self, model, shape, sampler="ddpm", steps=None, eta=0.0, noise=None, clip_denoised=True,
                progress=False, seeds=None, respacing=None, spacing=None, order=None):
         """Generate a float32 (N, ...) tensor of samples in [-1, 1].
@@ -468,7 +427,7 @@ class GaussianDiffusion:
         :param clip_denoised: clip every x_0 prediction to [-1, 1].
         The model always receives the original timesteps, and is run in eval mode (dropout off).
         """
-        self.check_sampling(sampler, steps, eta, respacing, spacing, order)
+        SamplerSettings(sampler, steps, eta, respacing, spacing, order).check(self)
         shape = tuple(int(s) for s in shape)
         draw_noise = noise_source(shape, noise, seeds)
         x = Tensor(noise, dtype="float32") if noise is not None else draw_noise()

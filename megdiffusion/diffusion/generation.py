@@ -21,7 +21,7 @@ import megengine as mge
 import megengine.functional as F
 
 from megdiffusion.diffusion.samplers import eval_mode
-from megdiffusion.diffusion.solvers import sampler_label
+from megdiffusion.diffusion.sampler_settings import SamplerSettings
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.files.images import to_uint8
 from megdiffusion.cpu.native import NativeModel
@@ -74,18 +74,16 @@ def image_classes(num_classes, indices):
     return (np.asarray(indices, dtype=np.int64) % num_classes).astype(np.int32)
 
 
-def generate_images(model, diffusion, image_shape, indices, seed, sampler="ddpm", steps=None, eta=0.0,
-                    batch_size=64, progress=None, respacing=None, guidance=None, class_label=None, spacing=None,
-                    order=None):
+def generate_images(model, diffusion, image_shape, indices, seed, settings=SamplerSettings(), batch_size=64,
+                    progress=None, guidance=None, class_label=None):
     """Sample the images ``indices`` of a run (each from ``image_seed(seed, i)``) as uint8 NHWC.
 
-    ``image_shape`` is (C, H, W); ``progress`` is an optional tqdm bar advanced per image; ``respacing`` (instead
-    of ``steps``), ``spacing``, ``order``: see ``GaussianDiffusion.sample``; ``guidance``: an ``Autoguidance``, or
-    None. A class-conditional model (``num_classes`` > 0) draws every image of ``class_label``, or image i of class
-    ``image_classes`` when that is None. Bad sampler settings raise ValueError (``GaussianDiffusion.check_sampling``),
-    and so does a class the model does not know, even for no indices.
+    ``image_shape`` is (C, H, W); ``settings`` a ``SamplerSettings``; ``progress`` an optional tqdm bar advanced
+    per image; ``guidance``: an ``Autoguidance``, or None. A class-conditional model (``num_classes`` > 0) draws
+    every image of ``class_label``, or image i of class ``image_classes`` when that is None. Bad sampler settings
+    raise ValueError (``SamplerSettings.check``), and so does a class the model does not know, even for no indices.
     """
-    diffusion.check_sampling(sampler, steps, eta, respacing, spacing, order)
+    settings.check(diffusion)
     num_classes = getattr(model, "num_classes", 0)
     check_class_label(class_label, num_classes)
     indices = list(indices)
@@ -100,10 +98,9 @@ def generate_images(model, diffusion, image_shape, indices, seed, sampler="ddpm"
             if num_classes:
                 labels = image_classes(num_classes, chunk) if class_label is None else np.full(len(chunk), class_label)
                 conditioned = functools.partial(network, y=mge.tensor(labels, dtype="int32"))
-            x = diffusion.sample(conditioned, (len(chunk),) + tuple(image_shape), sampler=sampler, steps=steps, eta=eta,
-                                 seeds=[image_seed(seed, i) for i in chunk], respacing=respacing, spacing=spacing,
-                                 order=order)
-            out.append(to_uint8(finite_samples(x, chunk, sampler, steps, respacing, spacing, order, guidance)))
+            x = diffusion.sample(conditioned, (len(chunk),) + tuple(image_shape),
+                                 seeds=[image_seed(seed, i) for i in chunk], **settings.arguments())
+            out.append(to_uint8(finite_samples(x, chunk, settings, guidance)))
             if progress is not None:
                 progress.update(len(chunk))
     c, h, w = image_shape
@@ -114,13 +111,13 @@ class NonFiniteSamples(MegdiffusionError):
     """Sampling gave NaN or infinite images; the message names the images and the likely cause."""
 
 
-def finite_samples(x, indices, sampler, steps, respacing, spacing, order, guidance):
+def finite_samples(x, indices, settings, guidance):
     """``x`` (the float samples of images ``indices``) as numpy, or ``NonFiniteSamples`` when any is NaN or infinite:
     such images would be written as flat white or black, and scored as if they were images."""
     x = np.asarray(x.numpy() if hasattr(x, "numpy") else x)
     bad = ~np.isfinite(x.reshape(len(x), -1)).all(axis=1)
     if bad.any():
-        label = sampler_label(sampler, steps, respacing, spacing, order)
+        label = settings.label()
         guided = f" guided with w={guidance.weight:g}" if guidance is not None else ""
         lower = "lower --guidance, or " if guidance is not None else ""
         raise NonFiniteSamples(f"{int(bad.sum())} of images {indices[0]}..{indices[-1]} came out NaN or infinite "

@@ -9,6 +9,7 @@ import os
 import numpy as np
 
 from megdiffusion.diffusion.generation import generate_images, image_seed
+from megdiffusion.diffusion.sampler_settings import SamplerSettings
 from megdiffusion.files.images import to_float
 from megdiffusion.metrics import fid
 from megdiffusion.metrics.kid_pr import KID_SEED, KID_SUBSETS
@@ -28,10 +29,10 @@ def reference_statistics(images, cache_path=None, batch_size=50, progress=False,
     return stats
 
 
-def model_scores(model, diffusion, image_shape, reference, num_images, seed=0, sampler="ddim", steps=50, eta=0.0,
-                 batch_size=64, progress=False, respacing=None, guidance=None, spacing=None, order=None,
-                 metrics=("fid",), kid_subsets=KID_SUBSETS, kid_subset_size=None, kid_seed=KID_SEED):
-    """``metrics`` (``scores.compare``) of ``num_images`` samples of ``model`` (with ``guidance``, a
+def model_scores(model, diffusion, image_shape, reference, num_images, seed=0, settings=SamplerSettings("ddim", 50),
+                 batch_size=64, progress=False, guidance=None, metrics=("fid",), kid_subsets=KID_SUBSETS,
+                 kid_subset_size=None, kid_seed=KID_SEED):
+    """``metrics`` (``scores.compare``) of ``num_images`` samples of ``model`` by ``settings`` (with ``guidance``, a
     ``generation.Autoguidance``, or None) against ``reference``, a :class:`fid.Statistics` (with features for KID and
     precision/recall); returns ``(scores, samples)`` with the samples as uint8 NHWC. Image i uses the seed of
     (seed, i). The sizes are checked before sampling."""
@@ -43,10 +44,9 @@ def model_scores(model, diffusion, image_shape, reference, num_images, seed=0, s
     if progress:
         from megdiffusion.progress import progress_bar
 
-        bar = progress_bar(total=num_images, unit="img", desc=f"sampling ({sampler})")
-    samples = generate_images(model, diffusion, image_shape, range(num_images), seed, sampler, steps, eta,
-                              batch_size, progress=bar, respacing=respacing, guidance=guidance, spacing=spacing,
-                              order=order)
+        bar = progress_bar(total=num_images, unit="img", desc=f"sampling ({settings.sampler})")
+    samples = generate_images(model, diffusion, image_shape, range(num_images), seed, settings, batch_size,
+                              progress=bar, guidance=guidance)
     if bar is not None:
         bar.close()
     keep = needs_features(metrics) or fid.worth_keeping(num_images)

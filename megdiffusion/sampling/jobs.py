@@ -16,6 +16,7 @@ from megdiffusion.progress import progress_bar
 
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.files.disk import output_directory, save_npz, write_text
+from megdiffusion.diffusion.sampler_settings import SamplerSettings
 from megdiffusion.diffusion.generation import Autoguidance, check_class_label, generate_images, sampling_networks
 from megdiffusion.files.images import make_grid, read_image, save_png
 from megdiffusion.sampling.model import load
@@ -36,10 +37,7 @@ class SampleJob:
     output: str
     num_images: int
     seed: int = 0
-    sampler: str = "ddpm"
-    steps: Optional[int] = None
-    respacing: Optional[str] = None  # instead of steps: improved-diffusion's spacing ("50", "ddim50", "10,15,20")
-    eta: float = 0.0
+    settings: SamplerSettings = SamplerSettings()
     batch_size: int = 64  # per process
     ema: bool = True
     progress: bool = True
@@ -48,15 +46,12 @@ class SampleJob:
     guidance: float = 1.0  # its weight w: bad + w (good - bad); 1 is no guidance
     guide_unconditional: bool = False  # the guide predicts without a class (classifier-free guidance)
     class_label: Optional[int] = None  # a class-conditional model: every image of this class (None: i mod classes)
-    spacing: Optional[str] = None  # where the steps lie (``diffusion.solvers.SPACINGS``; None: the sampler's default)
-    order: Optional[int] = None  # unipc's order (None: its default)
 
     def manifest(self, step, diffusion, guide_step=None):
-        """The settings that decide the images (``manifest.json``), resolved (``resolved_sampling``: defaults
+        """The settings that decide the images (``manifest.json``), resolved (``SamplerSettings.resolved``: defaults
         filled in) and whole: a directory never mixes two of them, and spelling a default out changes nothing."""
-        return {"checkpoint": os.path.abspath(self.ckpt), "step": step, "ema": self.ema, "eta": float(self.eta),
-                "seed": self.seed,
-                **diffusion.resolved_sampling(self.sampler, self.steps, self.respacing, self.spacing, self.order),
+        return {"checkpoint": os.path.abspath(self.ckpt), "step": step, "ema": self.ema,
+                "eta": float(self.settings.eta), "seed": self.seed, **self.settings.resolved(diffusion),
                 "guide_checkpoint": os.path.abspath(self.guide_ckpt) if self.guide_ckpt else None,
                 "guide_step": guide_step, "guidance": float(self.guidance),
                 "guide_unconditional": self.guide_unconditional, "class_label": self.class_label}
@@ -69,7 +64,7 @@ def run_job(job, num_gpus=1):
     distributed.check_launch(num_gpus)
     loaded = load_model(job.ckpt, job.ema)
     _, diffusion, cfg, step = loaded
-    check_sampler(diffusion, job.sampler, job.steps, job.eta, job.respacing, job.spacing, job.order)
+    check_sampler(diffusion, job.settings)
     try:
         check_class_label(job.class_label, cfg.num_classes)
     except ValueError as err:
@@ -95,9 +90,8 @@ def sample_share(job, loaded=None, guidance=None):
     if loaded is None:
         guidance, _ = load_guidance(job.guide_ckpt, job.guidance, cfg, job.ema, job.guide_unconditional)
     rank, world_size = distributed.rank_and_world()
-    return sample_to_directory(model, diffusion, cfg.image_shape, job.output, job.num_images, job.seed, job.sampler,
-                               job.steps, job.eta, job.batch_size, rank, world_size, job.progress, job.respacing,
-                               guidance, job.class_label, job.spacing, job.order)
+    return sample_to_directory(model, diffusion, cfg.image_shape, job.output, job.num_images, job.seed, job.settings,
+                               job.batch_size, rank, world_size, job.progress, guidance, job.class_label)
 
 
 def load_model(ckpt_or_logdir, ema=True):
@@ -139,10 +133,10 @@ def load_guidance(guide_ckpt, weight, cfg, ema=True, unconditional=False):
     return Autoguidance(model, float(weight), unconditional), step
 
 
-def check_sampler(diffusion, sampler, steps, eta=0.0, respacing=None, spacing=None, order=None):
-    """``diffusion.check_sampling`` for the scripts, before any work: ``SamplingError`` instead of ValueError."""
+def check_sampler(diffusion, settings):
+    """``settings.check(diffusion)`` for the scripts, before any work: ``SamplingError`` instead of ValueError."""
     try:
-        diffusion.check_sampling(sampler, steps, eta, respacing, spacing, order)
+        settings.check(diffusion)
     except ValueError as err:
         raise SamplingError(str(err)) from None
 
@@ -158,7 +152,7 @@ _ABSENT = {"guide_checkpoint": None, "guide_step": None, "guidance": 1.0, "guide
 
 def prepare_output(output, settings, diffusion):
     """Write ``settings`` (``SampleJob.manifest``) as the manifest of directory ``output``, or check that its
-    manifest, resolved the same way (``diffusion.resolved_sampling``), holds exactly them: every key both ways.
+    manifest, resolved the same way (``SamplerSettings.resolved``), holds exactly them: every key both ways.
 
     A directory written with other settings is refused, so images of two models or samplers never mix.
     """
@@ -172,8 +166,8 @@ def prepare_output(output, settings, diffusion):
             raise SamplingError(f"{manifest} is unreadable; delete it or choose another --output")
         previous = {**_ABSENT, **previous}
         try:
-            previous.update(diffusion.resolved_sampling(*(previous.get(key) for key in (
-                "sampler", "steps", "respacing", "spacing", "order"))))
+            previous.update(SamplerSettings(**{key: previous.get(key) for key in (
+                "sampler", "steps", "respacing", "spacing", "order")}).resolved(diffusion))
         except (KeyError, TypeError):
             raise SamplingError(f"{manifest} is unreadable; delete it or choose another --output") from None
         changed = sorted(k for k in set(settings) | set(previous) if previous.get(k) != settings.get(k))
@@ -190,11 +184,10 @@ def missing_indices(output, num_images, rank=0, world_size=1):
     return [i for i in range(rank, num_images, world_size) if not image_path(output, i).exists()]
 
 
-def sample_to_directory(model, diffusion, image_shape, output, num_images, seed, sampler="ddpm", steps=None,
-                        eta=0.0, batch_size=64, rank=0, world_size=1, progress=True, respacing=None, guidance=None,
-                        class_label=None, spacing=None, order=None):
-    """Write this rank's missing images ``000000.png ...`` into ``output`` (``guidance``: an ``Autoguidance`` or
-    None; ``class_label``, ``spacing``, ``order``: see ``generate_images``); returns how many it wrote.
+def sample_to_directory(model, diffusion, image_shape, output, num_images, seed, settings=SamplerSettings(),
+                        batch_size=64, rank=0, world_size=1, progress=True, guidance=None, class_label=None):
+    """Write this rank's missing images ``000000.png ...`` into ``output`` (``settings``, ``guidance``,
+    ``class_label``: see ``generate_images``); returns how many it wrote.
 
     Each PNG is written atomically as soon as its batch is done, so an interrupted run loses at most
     one batch and a rerun continues where it stopped.
@@ -202,13 +195,13 @@ def sample_to_directory(model, diffusion, image_shape, output, num_images, seed,
     todo = missing_indices(output, num_images, rank, world_size)
     if not todo:
         return 0
-    bar = progress_bar(total=len(todo), unit="img", desc=f"sampling ({sampler})", disable=not (progress and rank == 0))
+    bar = progress_bar(total=len(todo), unit="img", desc=f"sampling ({settings.sampler})",
+                       disable=not (progress and rank == 0))
     with bar, sampling_networks(model, guidance) as (network, guidance):  # the workers start once, not per batch
         for start in range(0, len(todo), batch_size):
             chunk = todo[start:start + batch_size]
-            images = generate_images(network, diffusion, image_shape, chunk, seed, sampler, steps, eta,
-                                     batch_size, progress=bar, respacing=respacing, guidance=guidance,
-                                     class_label=class_label, spacing=spacing, order=order)
+            images = generate_images(network, diffusion, image_shape, chunk, seed, settings, batch_size,
+                                     progress=bar, guidance=guidance, class_label=class_label)
             for index, image in zip(chunk, images):
                 save_png(image_path(output, index), image)
     return len(todo)

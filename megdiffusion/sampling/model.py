@@ -118,12 +118,13 @@ class Model:
         """``num_images`` images as uint8 (N, H, W, C), image i from (seed, i) exactly as ``scripts.sample`` draws it;
         the sampler settings are ``scripts.sample``'s flags (``GaussianDiffusion.sample``)."""
         from megdiffusion.diffusion.generation import generate_images
+        from megdiffusion.diffusion.sampler_settings import SamplerSettings
         from megdiffusion.progress import progress_bar
 
+        settings = SamplerSettings(sampler, steps, eta, respacing, spacing, order)
         with progress_bar(total=num_images, disable=not progress, desc="images") as bar:
             return generate_images(self.network, self.diffusion, self.config.image_shape, range(num_images), seed,
-                                   sampler, steps, eta, batch_size, bar, respacing, class_label=class_label,
-                                   spacing=spacing, order=order)
+                                   settings, batch_size, bar, class_label=class_label)
 
 
 def _integers(values, name, count):

@@ -23,7 +23,6 @@ import time
 from absl import flags
 
 from megdiffusion.compat import quiet_megengine
-from megdiffusion.diffusion.solvers import sampler_label
 from megdiffusion.training.config import CPU_RECIPE, field_bounds
 from megdiffusion.files.disk import copy_file, output_directory, save_npz, write_text
 from megdiffusion.metrics.kid_pr import NEIGHBOURS
@@ -132,8 +131,8 @@ def choose_ema(output, logdir, ema_model, score, tracked):
     return candidates[chosen], {"chosen": chosen, "fid_by_ema": fids, "tracked_sigma_rel": list(tracked)}
 
 
-def demo(output, minutes, resume, config_path, num_images, num_reference, sampler, steps, batch_size,
-         train_images=None, guidance=1.0, spacing=None, order=None, sweep_images=200, snapshot_every=100):
+def demo(output, minutes, resume, config_path, num_images, num_reference, settings, batch_size, train_images=None,
+         guidance=1.0, sweep_images=200, snapshot_every=100):
     """Check everything, then (``output`` locked) train for ``minutes`` or ``train_images`` (this run) tracking
     post-hoc EMA profiles, choose the EMA (``choose_ema``, on ``sweep_images`` samples; 0: the recipe's), sample
     (guided by the model ``GUIDE_FRACTION`` of the way through the training when ``guidance`` > 1), draw grids
@@ -175,8 +174,7 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
     if num_images + num_reference > len(images):
         raise UsageError(f"--num_images {num_images} + --num_reference {num_reference} is more than the "
                          f"{len(images)} training images: the floor's real images must be apart from the reference")
-    steps = shared_flags.default_steps("demo", sampler, steps)
-    check_sampler(build_diffusion(cfg), sampler, steps, spacing=spacing, order=order)  # before training, not after it
+    check_sampler(build_diffusion(cfg), settings)  # before training, not after it
     for part in (first, second) if fraction > 0 else (second,):
         check_training(part)  # before the demo's own files, not after them
     with output_directory(output, "--output", MARKER):
@@ -204,14 +202,12 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
         if sweep_images:
             def sweep_fid(candidate):  # another seed's samples than the protocol's: the choice is not scored on them
                 return model_scores(candidate, diffusion, cfg.image_shape, reference, sweep_images, cfg.seed + 1,
-                                    sampler, steps, batch_size=batch_size, guidance=guide, spacing=spacing,
-                                    order=order)[0]["fid"]
+                                    settings, batch_size, guidance=guide)[0]["fid"]
 
             model, choice = choose_ema(output, logdir, model, sweep_fid, profile_sigma_rels(cfg))
             choice["sweep_images"] = sweep_images
-        scores, samples = model_scores(model, diffusion, cfg.image_shape, reference, num_images, cfg.seed, sampler,
-                                       steps, batch_size=batch_size, progress=True, guidance=guide, spacing=spacing,
-                                       order=order, metrics=METRICS)
+        scores, samples = model_scores(model, diffusion, cfg.image_shape, reference, num_images, cfg.seed, settings,
+                                       batch_size, progress=True, guidance=guide, metrics=METRICS)
         columns = cfg.num_classes or 8  # a class-conditional model: a column per class (image i: class i mod n)
         save_png(os.path.join(output, "samples.png"), make_grid(samples[:64 // columns * columns], nrow=columns))
         save_png(os.path.join(output, "real.png"), make_grid(images[:64], nrow=8))
@@ -226,7 +222,7 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, sample
                       for suffix, values in (("", scores), ("_floor", floor))},
                    "kid_subsets": scores["kid_subsets"], "kid_subset_size": scores["kid_subset_size"],
                    "fid_reference": f"the first {num_reference} embedded Fashion-MNIST images",
-                   "sampler": sampler_label(sampler, steps, spacing=spacing, order=order), "guidance": guidance,
+                   "sampler": settings.label(), "guidance": guidance,
                    "guide_step": guide_step,
                    "guide_unconditional": bool(guide and guide.unconditional), "ema_choice": choice,
                    "samples_grid": os.path.join(output, "samples.png"),
@@ -252,8 +248,8 @@ def main(argv):
         os.environ["XDG_CACHE_HOME"] = os.path.abspath(os.path.join(FLAGS.output, "cache"))
         quiet_megengine()
         s = demo(FLAGS.output, minutes, FLAGS.resume, FLAGS.config or CPU_RECIPE,
-                 FLAGS.num_images, FLAGS.num_reference, FLAGS.sampler, FLAGS.steps, FLAGS.batch_size, FLAGS.images,
-                 FLAGS.guidance, FLAGS.spacing, FLAGS.order, FLAGS.sweep_images, FLAGS.snapshot_every)
+                 FLAGS.num_images, FLAGS.num_reference, shared_flags.sampler_settings(FLAGS, "demo"),
+                 FLAGS.batch_size, FLAGS.images, FLAGS.guidance, FLAGS.sweep_images, FLAGS.snapshot_every)
     unconditional = " unconditional" if s["guide_unconditional"] else ""
     guided = (f", guided by the step-{s['guide_step']}{unconditional} model with w={s['guidance']:g}"
               if s["guidance"] > 1 else "")

@@ -17,7 +17,6 @@ import sys
 from absl import flags
 
 from megdiffusion.compat import quiet_megengine
-from megdiffusion.diffusion.solvers import sampler_label
 from megdiffusion.files.disk import check_not_input, check_writable
 from megdiffusion.metrics.kid_pr import KID_SEED, KID_SUBSET_SIZE, KID_SUBSETS
 from megdiffusion.metrics.scores import check_sizes, compare, needs_features, parse_metrics, score_lines
@@ -91,9 +90,9 @@ def _set_size(source):
     return len(source.features) if isinstance(source, Statistics) else len(source)
 
 
-def _steps():
-    """--steps, or its default for --sampler."""
-    return shared_flags.default_steps("fid", FLAGS.sampler, FLAGS.steps, FLAGS.respacing)
+def _settings():
+    """The sampler settings of the flags."""
+    return shared_flags.sampler_settings(FLAGS, "fid")
 
 
 def reference_of(reference_spec, metrics):
@@ -114,7 +113,7 @@ def load_checked(ckpt):
     from megdiffusion.sampling.jobs import check_sampler, load_guidance, load_model
 
     model, diffusion, cfg, step = load_model(ckpt, ema=FLAGS.ema)
-    check_sampler(diffusion, FLAGS.sampler, _steps(), FLAGS.eta, FLAGS.respacing, FLAGS.spacing, FLAGS.order)
+    check_sampler(diffusion, _settings())
     guidance, _ = load_guidance(FLAGS.guide_ckpt, FLAGS.guidance, cfg, FLAGS.ema, FLAGS.guide_unconditional)
     return model, diffusion, cfg, step, guidance
 
@@ -125,9 +124,9 @@ def model_scores(loaded, reference, metrics):
     from megdiffusion.metrics.evaluate import model_scores as score
 
     model, diffusion, cfg, _, guidance = loaded
-    scores, _ = score(model, diffusion, cfg.image_shape, reference, FLAGS.num_images, FLAGS.seed, FLAGS.sampler,
-                      _steps(), FLAGS.eta, FLAGS.batch_size, FLAGS.progress, FLAGS.respacing, guidance, FLAGS.spacing,
-                      FLAGS.order, metrics, FLAGS.kid_subsets, FLAGS.kid_subset_size, FLAGS.kid_seed)
+    scores, _ = score(model, diffusion, cfg.image_shape, reference, FLAGS.num_images, FLAGS.seed, _settings(),
+                      FLAGS.batch_size, FLAGS.progress, guidance, metrics, FLAGS.kid_subsets, FLAGS.kid_subset_size,
+                      FLAGS.kid_seed)
     return scores
 
 
@@ -138,7 +137,7 @@ def score_model(reference_spec, metrics):
     guided = f", guided by {FLAGS.guide_ckpt} with w={FLAGS.guidance:g}" if FLAGS.guide_ckpt else ""
     for line in score_lines(scores):
         print(f"{line} ({FLAGS.num_images} {'EMA' if FLAGS.ema else 'raw'} samples of {FLAGS.ckpt} step "
-              f"{step}, {_label()}{guided}, vs {reference_spec})")
+              f"{step}, {_settings().label()}{guided}, vs {reference_spec})")
 
 
 def sweep(reference_spec, metrics):
@@ -162,15 +161,10 @@ def sweep(reference_spec, metrics):
         scores = model_scores(loaded, reference, metrics)
         rows.append({"sigma_rel": sigma_rel, "step": loaded[3], **scores})
         print(f"sigma_rel {sigma_rel:.3f}: {'; '.join(score_lines(scores))}", flush=True)
-    table, chart = write_sweep(FLAGS.sweep, rows, tracked, f"{FLAGS.num_images} samples, {_label()}")
+    table, chart = write_sweep(FLAGS.sweep, rows, tracked, f"{FLAGS.num_images} samples, {_settings().label()}")
     key = metrics[0] if metrics[0] != "pr" else "f_score"
     best = (max if key == "f_score" else min)(rows, key=lambda row: row[key])
     print(f"best sigma_rel {best['sigma_rel']:.3f} by {key}; wrote {table} and {chart}")
-
-
-def _label():
-    """The sampler's settings, as one label."""
-    return sampler_label(FLAGS.sampler, _steps(), FLAGS.respacing, FLAGS.spacing, FLAGS.order)
 
 
 def floor_lines(paths, metrics):

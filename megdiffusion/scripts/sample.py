@@ -43,12 +43,10 @@ def main(argv):
             megengine_failures("the images written so far are kept: rerun the same command to continue"):
         if not FLAGS.ckpt or not FLAGS.output:
             raise UsageError("--ckpt and --output are required")
-        steps = shared_flags.default_steps("sample", FLAGS.sampler, FLAGS.steps, FLAGS.respacing)
-        job = sampling.SampleJob(FLAGS.ckpt, FLAGS.output, FLAGS.num_images, FLAGS.seed, FLAGS.sampler, steps,
-                                 FLAGS.respacing, FLAGS.eta, FLAGS.batch_size, FLAGS.ema, npz=FLAGS.npz,
-                                 guide_ckpt=FLAGS.guide_ckpt, guidance=FLAGS.guidance, class_label=FLAGS.class_label,
-                                 guide_unconditional=FLAGS.guide_unconditional, spacing=FLAGS.spacing,
-                                 order=FLAGS.order)
+        job = sampling.SampleJob(FLAGS.ckpt, FLAGS.output, FLAGS.num_images, FLAGS.seed,
+                                 shared_flags.sampler_settings(FLAGS, "sample"), FLAGS.batch_size, FLAGS.ema,
+                                 npz=FLAGS.npz, guide_ckpt=FLAGS.guide_ckpt, guidance=FLAGS.guidance,
+                                 class_label=FLAGS.class_label, guide_unconditional=FLAGS.guide_unconditional)
         step = sampling.run_job(job, FLAGS.num_gpus)
     guided = f", guided by {FLAGS.guide_ckpt} with w={FLAGS.guidance:g}" if FLAGS.guide_ckpt else ""
     print(f"{FLAGS.num_images} images in {FLAGS.output} (grid.png{', samples.npz' if FLAGS.npz else ''}), "

@@ -4,6 +4,7 @@ a shared name does another job says why in ``OWN_FLAGS``; tests/test_flag_help.p
 from absl import flags
 
 from megdiffusion.diffusion.choices import ANCESTRAL, SAMPLERS
+from megdiffusion.diffusion.sampler_settings import SamplerSettings
 from megdiffusion.diffusion.solvers import DEFAULT_SPACING, DEFAULT_STEPS, SPACINGS
 from megdiffusion.scripts.cli import define_float, define_integer
 from megdiffusion.training.config import field_bounds
@@ -69,11 +70,16 @@ def define_sampler_flags(sampler="ddpm"):
                          "theirs (dpmpp_2m, dpmpp_3m).")
 
 
-def default_steps(command, sampler, steps, respacing=None):
-    """--steps, or its default in ``command`` for ``sampler`` (``ANCESTRAL_STEPS``; none with --respacing)."""
-    if steps is not None or respacing:
-        return steps
-    return ANCESTRAL_STEPS[command] if sampler in ANCESTRAL else DEFAULT_STEPS
+def sampler_settings(values, command):
+    """The ``SamplerSettings`` of a sampling command's flags: --sampler, --steps (or its default in ``command`` for
+    the sampler, ``ANCESTRAL_STEPS``; none with --respacing), --eta, --respacing, --spacing and --order (a
+    command without a flag leaves its setting at the default)."""
+    default = SamplerSettings()
+    given = {name: values[name].value if name in values else getattr(default, name)
+             for name in ("steps", "eta", "respacing", "spacing", "order")}
+    if given["steps"] is None and not given["respacing"]:
+        given["steps"] = ANCESTRAL_STEPS[command] if values.sampler in ANCESTRAL else DEFAULT_STEPS
+    return SamplerSettings(values.sampler, **given)
 
 
 def define_respacing_flag():
@@ -84,7 +90,7 @@ def define_respacing_flag():
 
 
 def define_eta_flag():
-    """--eta: DDIM's noise (its bound: ``GaussianDiffusion.check_sampling``'s, with the sampler it goes with)."""
+    """--eta: DDIM's noise (its bound: ``SamplerSettings.check``'s, with the sampler it goes with)."""
     flags.DEFINE_float("eta", 0.0, "DDIM eta: 0 is deterministic DDIM, 1 adds DDPM-like noise.")
 
 

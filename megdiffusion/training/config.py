@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 from megdiffusion.data.datasets import DATASETS
 from megdiffusion.metrics.scores import check_sizes, parse_metrics
 from megdiffusion.diffusion.choices import LEARNED_VAR_TYPES, LOSS_TYPES, MEAN_TYPES, SAMPLERS, SPACINGS, VAR_TYPES
+from megdiffusion.diffusion.sampler_settings import SamplerSettings
 from megdiffusion.diffusion.schedules import SCHEDULES
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.nn.options import DOWNSAMPLE_PADDING, DOWNSAMPLE_PADDINGS, NORM_EPS, NORM_GROUPS, TIME_EMBEDDING, \
@@ -381,12 +382,17 @@ def validate(cfg):
         raise ConfigError("--snapshot_every saves post-hoc EMA profiles: give --ema_profiles too (e.g. 0.05,0.10)")
     try:
         if cfg.sample_every or cfg.fid_every:  # the only users of the sampler settings
-            diffusion.check_sampling(cfg.sample_sampler, cfg.sample_steps, spacing=cfg.sample_spacing,
-                                     order=cfg.sample_order)
+            grid_sampler(cfg).check(diffusion)
     except ValueError as err:  # its words name the sampling commands' flags, if any; training's are --sample_*
         named = re.sub(r"--(sampler|steps|spacing|order)\b", r"--sample_\1", str(err))
         raise ConfigError(named if named != str(err) else
                           f"--sample_sampler/--sample_steps/--sample_spacing/--sample_order: {err}") from None
+
+
+def grid_sampler(cfg):
+    """The ``SamplerSettings`` of the training grids and ``--fid_every``: --sample_sampler, --sample_steps,
+    --sample_spacing and --sample_order."""
+    return SamplerSettings(cfg.sample_sampler, cfg.sample_steps, spacing=cfg.sample_spacing, order=cfg.sample_order)
 
 
 def profile_sigma_rels(cfg):

@@ -18,7 +18,7 @@ from megdiffusion.progress import progress_bar
 from megdiffusion.files.disk import write_text
 from megdiffusion.files.images import make_grid
 from megdiffusion.diffusion.generation import generate_images
-from megdiffusion.training.config import to_flagfile, to_json
+from megdiffusion.training.config import grid_sampler, to_flagfile, to_json
 
 
 RUN_MARKER = "flags.cfg"  # the first file a run writes in its logdir
@@ -34,9 +34,8 @@ def sample_grid(model, diffusion, cfg):
     """An image grid (uint8 HWC) of ``model``'s images 0..sample_num-1 of the run seed (the same noise at
     every step and on resume), sampled with the grid sampler and step count; a class-conditional model's has a
     column per class."""
-    images = generate_images(model, diffusion, cfg.image_shape, range(cfg.sample_num), cfg.seed, cfg.sample_sampler,
-                             cfg.sample_steps, batch_size=cfg.sample_num, spacing=cfg.sample_spacing,
-                             order=cfg.sample_order)
+    images = generate_images(model, diffusion, cfg.image_shape, range(cfg.sample_num), cfg.seed, grid_sampler(cfg),
+                             batch_size=cfg.sample_num)
     return make_grid(images, nrow=cfg.num_classes or None)
 
 

@@ -23,7 +23,7 @@ from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
 from megdiffusion.training import posthoc_ema
 from megdiffusion.training.config import ConfigError, TrainConfig, as_flag, build_diffusion, build_model, \
-    profile_sigma_rels, validate
+    grid_sampler, profile_sigma_rels, validate
 from megdiffusion.training.draws import PER_SAMPLE, draw_step, first_sample
 from megdiffusion.training.feed import StepFeed
 from megdiffusion.training.outputs import RUN_MARKER, RunLogger, grid_path, sample_grid, write_run_files
@@ -392,8 +392,7 @@ class TrainingRun:
                                          keep_features=needs_features(metrics))
         with self.trainer.state() as state:
             scores, _ = model_scores(state.ema, self.trainer.diffusion, cfg.image_shape, reference,
-                                     cfg.fid_num_images, cfg.seed, cfg.sample_sampler, cfg.sample_steps,
-                                     spacing=cfg.sample_spacing, order=cfg.sample_order, metrics=metrics)
+                                     cfg.fid_num_images, cfg.seed, grid_sampler(cfg), metrics=metrics)
         self.logger.write_metrics(self.trainer.step_count, {**scores, "fid_num_images": cfg.fid_num_images})
         self.logger.message(f"step {self.trainer.step_count}: {'; '.join(score_lines(scores))} "
                             f"({cfg.fid_num_images} EMA samples)")
