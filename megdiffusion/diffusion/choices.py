@@ -14,3 +14,9 @@ LEARNED_VAR_TYPES = ("learned_range", "learned")
 LOSS_TYPES = ("mse", "hybrid")
 ANCESTRAL = ("ddpm", "ddim")  # ancestral sampling and DDIM on a respaced chain (``samplers.py``)
 SAMPLERS = ANCESTRAL + SOLVERS  # and the ODE / SDE solvers of ``solvers.py``
+
+
+def check_choice(name, value, choices):
+    """ValueError (one line) unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")

@@ -18,7 +18,7 @@ import megengine.functional as F
 from megengine import Tensor
 
 from megdiffusion.diffusion import samplers, solvers
-from megdiffusion.diffusion.choices import ANCESTRAL, LEARNED_VAR_TYPES, LOSS_TYPES, MEAN_TYPES, VAR_TYPES
+from megdiffusion.diffusion.choices import ANCESTRAL, LEARNED_VAR_TYPES, LOSS_TYPES, MEAN_TYPES, VAR_TYPES, check_choice
 from megdiffusion.diffusion.sampler_settings import SamplerSettings
 from megdiffusion.diffusion.losses import discretized_gaussian_log_likelihood, mean_flat, normal_kl
 from megdiffusion.diffusion.spacing import sampling_timesteps
@@ -45,11 +45,6 @@ _LN2 = math.log(2.0)
 
 def _as_timesteps(t):
     return t.astype("int32") if isinstance(t, Tensor) else Tensor(np.asarray(t), dtype="int32")
-
-
-def _check_choice(name, value, choices):
-    if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
 
 
 class GaussianDiffusion:
@@ -81,9 +76,9 @@ class GaussianDiffusion:
             raise ValueError(f"betas must be a non-empty 1-D array, got shape {betas.shape}")
         if not ((betas > 0) & (betas < 1)).all():
             raise ValueError("betas must all lie strictly between 0 and 1")
-        _check_choice("mean_type", mean_type, MEAN_TYPES)
-        _check_choice("var_type", var_type, VAR_TYPES)
-        _check_choice("loss_type", loss_type, LOSS_TYPES)
+        check_choice("mean_type", mean_type, MEAN_TYPES)
+        check_choice("var_type", var_type, VAR_TYPES)
+        check_choice("loss_type", loss_type, LOSS_TYPES)
         if loss_type == "hybrid" and var_type not in LEARNED_VAR_TYPES:
             raise ValueError(f"loss_type 'hybrid' weights the vb term that trains a learned variance; var_type "
                              f"{var_type!r} learns none (use {' or '.join(LEARNED_VAR_TYPES)}, or loss_type 'mse')")

@@ -5,7 +5,7 @@ import math
 from typing import Optional
 
 from megdiffusion.diffusion import solvers
-from megdiffusion.diffusion.choices import ANCESTRAL, SAMPLERS
+from megdiffusion.diffusion.choices import ANCESTRAL, SAMPLERS, check_choice
 from megdiffusion.diffusion.spacing import sampling_timesteps
 
 
@@ -27,8 +27,7 @@ class SamplerSettings:
     def check(self, diffusion):
         """These settings, or ValueError (one line) unless ``diffusion.sample`` accepts them."""
         sampler, steps, eta, spacing, order = self.sampler, self.steps, self.eta, self.spacing, self.order
-        if sampler not in SAMPLERS:
-            raise ValueError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
+        check_choice("sampler", sampler, SAMPLERS)
         if not (math.isfinite(eta) and eta >= 0) or (eta and sampler != "ddim"):
             raise ValueError(f"eta must be a finite number >= 0 and is only used by the ddim sampler, got eta={eta}")
         if sampler in ANCESTRAL:
