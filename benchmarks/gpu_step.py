@@ -171,7 +171,7 @@ def profiled_step(trainer, batch):
 
 def run_training(args, name):
     """Row ``gpusN``: the training command's own run on N processes: images/s and the losses of every step."""
-    from megdiffusion.training.trainer import train
+    from megdiffusion.training.start import train
 
     images, cfg = images_and_config(args)
     with tempfile.TemporaryDirectory() as scratch:

@@ -1,12 +1,14 @@
 """megdiffusion: DDPM training, fast sampling and FID on MegEngine."""
 
-from megdiffusion.compat import empty_dtr_candidates, keep_fastrun_cache_in_memory, limit_worker_spin
+from megdiffusion.compat import (empty_dtr_candidates, keep_fastrun_cache_in_memory, limit_worker_spin,
+                                 quiet_megengine_when_imported)
 
 __version__ = "0.1.0"
 
 limit_worker_spin()  # before any module of the package imports MegEngine
 empty_dtr_candidates()
 keep_fastrun_cache_in_memory()
+quiet_megengine_when_imported()
 
 __all__ = ["load", "Model", "LoadError", "UNet", "GaussianDiffusion", "make_beta_schedule"]
 

@@ -1,6 +1,7 @@
 """MegEngine-version shims, in one place.
 
-- ``quiet_megengine()``: import MegEngine without its CPU-mode banner and ``debug:`` lines.
+- ``quiet_megengine()``: import MegEngine without its CPU-mode banner and ``debug:`` lines;
+  ``quiet_megengine_when_imported()``: the same for its first import wherever it happens (the commands).
 - ``limit_worker_spin()``: stop MegEngine's idle worker threads from busy-waiting on CPU-only machines.
 - ``idle_event_polling()`` (with ``quiet_megengine``): run MegEngine's event-polling thread only on otherwise idle
   cores, on CPU-only machines.
@@ -15,6 +16,8 @@
 """
 import contextlib
 import ctypes
+import importlib.abc
+import importlib.util
 import os
 import re
 import sys
@@ -178,19 +181,57 @@ def quiet_megengine():
     tensor op still runs here, filtered (it prints the CUDA probe's lines and the worker-spin warning),
     and the DTR candidate list is emptied (see ``empty_dtr_candidates``).
     """
-    global _started
     if not _started:
         with _filtered_stderr():
             import megengine
-            import megengine.distributed  # noqa: F401
 
-            _clear_dtr_candidates(megengine)
-            megengine.tensor([0.0]).numpy()
-        idle_event_polling()
-        _started = True
+            _start(megengine)
     import megengine
 
     return megengine
+
+
+def _start(megengine):
+    """The rest of a quiet start, inside ``_filtered_stderr``: the distributed module, the DTR list emptied, the first
+    tensor op (which starts the threads and prints the CUDA probe's lines), the polling thread idled."""
+    global _started
+    import megengine.distributed  # noqa: F401
+
+    _clear_dtr_candidates(megengine)
+    megengine.tensor([0.0]).numpy()
+    idle_event_polling()
+    _started = True
+
+
+class _QuietFirstImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``quiet_megengine_when_imported``'s finder: MegEngine's first import, wherever it happens, runs as
+    ``quiet_megengine`` would, then MegEngine's own loader takes its place on the module again."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "megengine":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            return None
+        self._loader, spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        module.__loader__ = module.__spec__.loader = self._loader
+        with _filtered_stderr():
+            self._loader.exec_module(module)
+            _start(module)
+
+
+def quiet_megengine_when_imported():
+    """Make MegEngine's first import in this process quiet (``quiet_megengine``) wherever it happens, so that a command
+    imports MegEngine (about a second) only when it reaches work that needs it, and bad input fails before."""
+    if "megengine" not in sys.modules and not any(isinstance(f, _QuietFirstImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _QuietFirstImport())
 
 
 @contextlib.contextmanager
@@ -207,7 +248,10 @@ def megengine_errors_only():
 
 
 def cuda_available():
-    """True when MegEngine sees a CUDA device (without the probe's debug lines on CPU machines)."""
+    """True when MegEngine sees a CUDA device (without the probe's debug lines on CPU machines); without a CUDA driver
+    it can see none, and MegEngine is not imported to ask."""
+    if not cuda_driver_loadable():
+        return False
     megengine = quiet_megengine()
     with _filtered_stderr():
         return bool(megengine.is_cuda_available())

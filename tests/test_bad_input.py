@@ -39,7 +39,7 @@ def shared(tmp_path_factory, tiny_config, tiny_images):
     """The files the cases read: one tiny trained run (made once), its samples, and damaged or crafted
     checkpoints, images, npz files and directories. Each case runs in its own copy."""
     from megdiffusion import sampling
-    from megdiffusion.training.trainer import train
+    from megdiffusion.training.start import train
 
     root = tmp_path_factory.mktemp("bad_input")
     np.savez(root / "data.npz", arr_0=tiny_images(16))
@@ -387,10 +387,11 @@ CASES = [
      "was trained with different num_res_blocks (--num_res_blocks=1); use those flags"),
     # 57: post-hoc EMA
     ("57:ema-profiles-not-numbers", "train", [*TRAIN, "--ema_profiles=0.05,x"],
-     "--ema_profiles must be relative standard deviations, comma-separated (e.g. 0.05,0.10); got '0.05,x'"),
+     "--ema_profiles must be relative standard deviations, comma-separated (e.g. 0.05,0.10); got 0.05,x"),
     ("57:ema-profile-too-long", "train", [*TRAIN, "--ema_profiles=0.05,0.3"], "sigma_rel 0.3 is outside (0, 0.28]"),
     ("57:ema-profile-zero", "train", [*TRAIN, "--ema_profiles=0"], "sigma_rel 0 is outside (0, 0.28]"),
-    ("57:ema-profile-twice", "train", [*TRAIN, "--ema_profiles=0.05,0.05"], "names a profile twice (0.05,0.05)"),
+    ("57:ema-profile-twice", "train", [*TRAIN, "--ema_profiles=0.05,0.05"],
+     "--ema_profiles names a length twice (0.05,0.05); give each once"),
     ("57:snapshots-without-profiles", "train", [*TRAIN, "--snapshot_every=5"],
      "--snapshot_every saves post-hoc EMA profiles: give --ema_profiles too"),
     ("57:snapshot-dtype", "train", [*TRAIN, "--ema_profiles=0.1", "--snapshot_dtype=float64"],
@@ -402,9 +403,11 @@ CASES = [
      "expected one argument, LOGDIR (a run trained with --ema_profiles and --snapshot_every); got 0"),
     ("57:posthoc-without-sigma-rel", "posthoc_ema", ["snapshots", "--output=out"], "give --sigma_rel"),
     ("57:posthoc-sigma-rel-not-a-number", "posthoc_ema", ["snapshots", "--sigma_rel=0.07,wide", "--output=out"],
-     "--sigma_rel must be numbers, comma-separated; got 0.07,wide"),
+     "--sigma_rel must be relative standard deviations, comma-separated (e.g. 0.05,0.10); got 0.07,wide"),
     ("57:posthoc-sigma-rel-outside", "posthoc_ema", ["snapshots", "--sigma_rel=0.5", "--output=out"],
-     "--sigma_rel 0.5 is outside (0, 0.28]"),
+     "--sigma_rel: sigma_rel 0.5 is outside (0, 0.28]"),
+    ("posthoc-sigma-rel-twice", "posthoc_ema", ["snapshots", "--sigma_rel=0.07,0.07", "--output=out"],
+     "--sigma_rel names a length twice (0.07,0.07); give each once"),
     ("57:posthoc-without-output", "posthoc_ema", ["snapshots", "--sigma_rel=0.07"], "give --output DIR"),
     ("57:posthoc-output-a-file", "posthoc_ema", ["snapshots", "--sigma_rel=0.07", "--output=afile.txt"],
      "--output afile.txt is a file"),
@@ -810,19 +813,25 @@ def shown_lines(stderr):
     return [line.rpartition("\r")[2] for line in stderr.split("\n") if line.rpartition("\r")[2].strip()]
 
 
-@pytest.mark.parametrize("case, script, args, message", CASES, ids=[f"{c[1]}:{c[0]}" for c in CASES])
-def test_bad_input_is_one_error_line_exit_2_and_changes_no_file(shared, command_flags, tmp_path, case, script, args,
-                                                                 message):
-    if "gpus" in case and cuda_driver_loadable():
-        pytest.skip("a machine with a CUDA driver may have 2 GPUs")
+def case_directory(shared, tmp_path):
+    """A case's working directory (a copy of the shared files, named pipes and an empty HOME) and its environment."""
     workdir = tmp_path / "case"
     shutil.copytree(shared, workdir, symlinks=True, ignore=shutil.ignore_patterns("samples*"))
     (workdir / "home").mkdir()
     for name in FIFOS:  # made here: copying one would wait for a writer
         os.mkfifo(workdir / name)
-    before, shared_before = tree(workdir), tree(shared)
     env = {**os.environ, "HOME": str(workdir / "home"), "PYTHONPATH": str(REPO)}
     env.pop("XDG_CACHE_HOME", None)
+    return workdir, env
+
+
+@pytest.mark.parametrize("case, script, args, message", CASES, ids=[f"{c[1]}:{c[0]}" for c in CASES])
+def test_bad_input_is_one_error_line_exit_2_and_changes_no_file(shared, command_flags, tmp_path, case, script, args,
+                                                                 message):
+    if "gpus" in case and cuda_driver_loadable():
+        pytest.skip("a machine with a CUDA driver may have 2 GPUs")
+    workdir, env = case_directory(shared, tmp_path)
+    before, shared_before = tree(workdir), tree(shared)
     args = [arg.replace("{shared}", str(shared)) for arg in args]
     message = message.replace("{shared}", str(shared))
     result = subprocess.run([sys.executable, "-m", f"megdiffusion.scripts.{script}", *args], cwd=workdir, env=env,
@@ -836,6 +845,28 @@ def test_bad_input_is_one_error_line_exit_2_and_changes_no_file(shared, command_
         changed = sorted(name for name in old.keys() | new.keys() if old.get(name) != new.get(name))
         assert not changed, f"changed, made or removed: {changed}"
     check_message(lines[0], script, args, command_flags, workdir)
+
+
+# Input whose flags, data or checkpoint file is wrong is refused before MegEngine is imported (about a second of each
+# command's start): a module that imports it on a command's path before its checks shows here.
+BEFORE_MEGENGINE = ("train:missing-data", "train:58:train-labels-beyond-int32", "train:input-perturbation-with-xprev",
+                    "train:58:resume-past-total-steps", "sample:garbage-checkpoint", "sample:17:crafted-checkpoint",
+                    "nll:crafted-checkpoint", "fid:missing-source", "fid:crafted-checkpoint", "demo:39:one-sample",
+                    "demo:50:demo-dpmpp-leading-over-T")
+REPORT_MEGENGINE = ("import atexit, runpy, sys; atexit.register(lambda: print('imported megengine:', 'megengine' in "
+                    "sys.modules)); sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__', "
+                    "alter_sys=True)")
+
+
+@pytest.mark.parametrize("name", BEFORE_MEGENGINE)
+def test_input_shown_wrong_by_flags_data_or_a_checkpoint_file_is_refused_before_megengine_is_imported(shared, tmp_path,
+                                                                                                      name):
+    case, script, args, message = next(c for c in CASES if f"{c[1]}:{c[0]}" == name)
+    workdir, env = case_directory(shared, tmp_path)
+    result = subprocess.run([sys.executable, "-c", REPORT_MEGENGINE, f"megdiffusion.scripts.{script}", *args],
+                            cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert result.stdout.split("\n")[-2] == "imported megengine: False"
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

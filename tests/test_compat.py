@@ -46,9 +46,32 @@ def stderr_of_a_conv(imports):
 
 def test_megengine_warning_about_the_spin_is_filtered():
     assert stderr_of_a_conv(QUIET + IMPORT_CONV) == ""
-    # MegEngine imported first (its import banner is its own): the first op's lines are still filtered.
-    stderr = stderr_of_a_conv(IMPORT_CONV + QUIET)
+    # MegEngine imported before megdiffusion (its import banner is its own): the first op's lines are still filtered.
+    stderr = stderr_of_a_conv("import megengine\n" + IMPORT_CONV + QUIET)
     assert "spin" not in stderr and "debug:" not in stderr, stderr
+
+
+FIRST_IMPORT = """
+import os, megdiffusion, megdiffusion.compat as compat
+assert not compat._started
+import megengine as mge
+from megengine.core import get_option
+print(type(mge.__loader__).__name__, type(mge.__spec__.loader).__name__, compat._started,
+      get_option("dtr_evictee_minimum_size") == compat.NO_DTR_CANDIDATES)
+for tid in sorted(os.listdir("/proc/self/task")):
+    if open(f"/proc/self/task/{tid}/comm").read().strip() == "CompNodeSync":
+        print(os.sched_getscheduler(int(tid)) == os.SCHED_IDLE)
+"""
+
+
+def test_megengine_imported_anywhere_after_megdiffusion_starts_as_quiet_megengine_starts_it():
+    """A plain ``import megengine`` after ``import megdiffusion`` (a command reaching a module that needs it) is
+    filtered and started like ``quiet_megengine()``, and leaves MegEngine's own loader on the module."""
+    assert stderr_of_a_conv("import megdiffusion\nimport megengine as mge\n" + IMPORT_CONV) == ""
+    loader, spec_loader, started, no_dtr, *idle = run_python(FIRST_IMPORT).stdout.split()
+    assert loader == spec_loader != "_QuietFirstImport"
+    assert (started, no_dtr) == ("True", "True")
+    assert idle == [str(not cuda_driver_loadable())]
 
 
 SHOW_DTR = ("import os, megdiffusion\nfrom megdiffusion.compat import quiet_megengine\nquiet_megengine()\n"

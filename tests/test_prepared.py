@@ -18,7 +18,7 @@ from megdiffusion.data.prepared import PreparedDataset, checksum, is_prepared, p
 from megdiffusion.data.sources import ArraySource, DatasetError, FolderSource
 from megdiffusion.training.checkpoint import CheckpointError, load_latest
 from megdiffusion.training.config import resolve
-from megdiffusion.training.trainer import train
+from megdiffusion.training.start import train
 
 REPO = Path(__file__).resolve().parents[1]
 

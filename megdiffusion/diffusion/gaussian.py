@@ -18,7 +18,8 @@ import megengine.functional as F
 from megengine import Tensor
 
 from megdiffusion.diffusion import samplers, solvers
-from megdiffusion.diffusion.choices import ANCESTRAL, LEARNED_VAR_TYPES, LOSS_TYPES, MEAN_TYPES, VAR_TYPES, check_choice
+from megdiffusion.diffusion.chain import DiffusionChain
+from megdiffusion.diffusion.choices import ANCESTRAL
 from megdiffusion.diffusion.sampler_settings import SamplerSettings
 from megdiffusion.diffusion.losses import discretized_gaussian_log_likelihood, mean_flat, normal_kl
 from megdiffusion.diffusion.spacing import sampling_timesteps
@@ -47,98 +48,19 @@ def _as_timesteps(t):
     return t.astype("int32") if isinstance(t, Tensor) else Tensor(np.asarray(t), dtype="int32")
 
 
-class GaussianDiffusion:
-    """The forward process q(x_t | x_0) and the reverse-process arithmetic around a model.
-
-    :param betas: 1-D float array of the forward-process variances, each in (0, 1).
-    :param mean_type: "eps" (the paper's choice), "xstart", "xprev" or "v": what ``model(x_t, t)`` predicts; v is
-        sqrt(alpha_bar_t) eps - sqrt(1 - alpha_bar_t) x_0 (Salimans & Ho 2022), so x_0 = sqrt(alpha_bar_t) x_t -
-        sqrt(1 - alpha_bar_t) v: unlike x_0 from eps, an error in v is not amplified by 1 / sqrt(alpha_bar_t) at
-        the noisiest steps.
-    :param var_type: "fixedlarge" (beta_t, with the posterior variance at t = 0, the official CIFAR-10
-        choice), "fixedsmall" (the posterior variance, clipped at t = 0), or learned from the model's second
-        half of output channels v: "learned_range" (log variance frac log beta_t + (1 - frac) log posterior
-        variance (clipped), frac = (v + 1) / 2, v unclamped) or "learned" (v is the log variance).
-    :param loss_type: "mse" or "hybrid" (``choices.LOSS_TYPES``); "hybrid" needs a learned variance.
-    :param rescale_timesteps: the model receives t * 1000 / original T (a float) instead of t.
-    :param min_snr_gamma: 0 for Ho's L_simple; above 0, the mse of timestep t weighted by min(SNR_t, gamma) / SNR_t
-        for eps prediction, min(SNR_t, gamma) for x_0 and min(SNR_t, gamma) / (SNR_t + 1) for v (Hang et al. 2023,
-        "Min-SNR"; SNR_t = alpha_bar_t / (1 - alpha_bar_t)): the low-noise steps, whose loss is easy and large in
-        number, no longer dominate the gradient.
-    :param timestep_map: the original timestep of each index (default: the identity); ``respace`` sets it.
-    :param original_num_steps: T of the original chain (default: len(betas)).
-    """
+class GaussianDiffusion(DiffusionChain):
+    """The forward process q(x_t | x_0) and the reverse-process arithmetic around a model, on MegEngine tensors; the
+    options and schedule (its parameters) are ``DiffusionChain``'s."""
 
     def __init__(self, betas, mean_type="eps", var_type="fixedlarge", loss_type="mse", rescale_timesteps=False,
                  timestep_map=None, original_num_steps=None, min_snr_gamma=0.0):
-        betas = np.asarray(betas, dtype=np.float64)
-        if betas.ndim != 1 or len(betas) < 1:
-            raise ValueError(f"betas must be a non-empty 1-D array, got shape {betas.shape}")
-        if not ((betas > 0) & (betas < 1)).all():
-            raise ValueError("betas must all lie strictly between 0 and 1")
-        check_choice("mean_type", mean_type, MEAN_TYPES)
-        check_choice("var_type", var_type, VAR_TYPES)
-        check_choice("loss_type", loss_type, LOSS_TYPES)
-        if loss_type == "hybrid" and var_type not in LEARNED_VAR_TYPES:
-            raise ValueError(f"loss_type 'hybrid' weights the vb term that trains a learned variance; var_type "
-                             f"{var_type!r} learns none (use {' or '.join(LEARNED_VAR_TYPES)}, or loss_type 'mse')")
-        if min_snr_gamma < 0 or (min_snr_gamma > 0 and mean_type == "xprev"):
-            raise ValueError(f"min_snr_gamma must be 0 (off) or positive with mean_type eps, xstart or v; got "
-                             f"{min_snr_gamma} with mean_type {mean_type!r}")
-        self.mean_type, self.var_type, self.loss_type = mean_type, var_type, loss_type
-        self.min_snr_gamma = float(min_snr_gamma)
-        self.rescale_timesteps = bool(rescale_timesteps)
-        self.num_timesteps = len(betas)
-        self.timestep_map = np.arange(len(betas)) if timestep_map is None else np.asarray(timestep_map, np.int64)
-        self.original_num_steps = len(betas) if original_num_steps is None else int(original_num_steps)
-        if self.timestep_map.shape != betas.shape:
-            raise ValueError(f"timestep_map has shape {self.timestep_map.shape}, betas {betas.shape}")
-
-        self.betas = betas
-        self.log_betas = np.log(betas)
-        alphas = 1.0 - betas
-        self.alphas_cumprod = np.cumprod(alphas)
-        self.alphas_cumprod_prev = np.append(1.0, self.alphas_cumprod[:-1])
-        self.alphas_cumprod_next = np.append(self.alphas_cumprod[1:], 0.0)
-        self.sqrt_alphas_cumprod = np.sqrt(self.alphas_cumprod)
-        self.sqrt_one_minus_alphas_cumprod = np.sqrt(1.0 - self.alphas_cumprod)
-        self.log_one_minus_alphas_cumprod = np.log(1.0 - self.alphas_cumprod)
-        self.sqrt_recip_alphas_cumprod = np.sqrt(1.0 / self.alphas_cumprod)
-        self.sqrt_recipm1_alphas_cumprod = np.sqrt(1.0 / self.alphas_cumprod - 1.0)
-        # q(x_{t-1} | x_t, x_0) = N(coef1 * x_0 + coef2 * x_t, posterior_variance)   (paper eq. 6-7)
-        self.posterior_variance = betas * (1.0 - self.alphas_cumprod_prev) / (1.0 - self.alphas_cumprod)
-        # The variance is 0 at t = 0: its log is clipped to the value at t = 1 (a one-step chain, which has no
-        # t = 1, takes log beta_0; only the decoder term and learned_range read it there).
-        self.posterior_log_variance_clipped = np.log(
-            np.append(self.posterior_variance[1], self.posterior_variance[1:]) if len(betas) > 1 else betas
-        )
-        self.posterior_mean_coef1 = betas * np.sqrt(self.alphas_cumprod_prev) / (1.0 - self.alphas_cumprod)
-        self.posterior_mean_coef2 = (
-            (1.0 - self.alphas_cumprod_prev) * np.sqrt(alphas) / (1.0 - self.alphas_cumprod)
-        )
-        if var_type == "fixedlarge":
-            # Ho's code: beta_t, except posterior_variance[1] at t = 0 (a better decoder variance there).
-            self.model_log_variance = np.append(self.posterior_log_variance_clipped[0], self.log_betas[1:])
-        elif var_type == "fixedsmall":
-            self.model_log_variance = self.posterior_log_variance_clipped
-        else:
-            self.model_log_variance = None  # the model's output says
-
-        # The weight of each timestep's mse in the loss: 1 (L_simple), or Min-SNR's.
-        snr = self.alphas_cumprod / (1.0 - self.alphas_cumprod)
-        clipped = np.minimum(snr, self.min_snr_gamma)
-        per_x0_mse = {"eps": snr, "xstart": np.ones_like(snr), "v": snr + 1.0}.get(mean_type)  # mse / x_0's mse
-        self.mse_weight = np.ones_like(snr) if self.min_snr_gamma == 0 else clipped / per_x0_mse
+        super().__init__(betas, mean_type, var_type, loss_type, rescale_timesteps, timestep_map, original_num_steps,
+                         min_snr_gamma)
         names = _PER_SAMPLE + (("model_log_variance",) if self.model_log_variance is not None else ())
         self._tensors = {name: Tensor(getattr(self, name).astype(np.float32)) for name in names}
         model_t = self.timestep_map * (1000.0 / self.original_num_steps) if self.rescale_timesteps else None
         self._model_timesteps = (Tensor(model_t.astype(np.float32)) if model_t is not None
                                  else Tensor(self.timestep_map.astype(np.int32)))
-
-    @property
-    def learns_variance(self):
-        """Whether the model outputs a variance (twice the image channels)."""
-        return self.var_type in LEARNED_VAR_TYPES
 
     def _extract(self, name, t, ndim):
         """The named array at timesteps t (shape (N,)), shaped (N, 1, ..., 1) to broadcast over ndim dims."""

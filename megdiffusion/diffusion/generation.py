@@ -25,7 +25,7 @@ from megdiffusion.diffusion.sampler_settings import SamplerSettings
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.files.images import to_uint8
 from megdiffusion.cpu.native import NativeModel
-from megdiffusion.nn.options import NO_CLASS
+from megdiffusion.nn.options import NO_CLASS, check_class_label
 from megdiffusion.nn.unet import UNet
 
 
@@ -124,17 +124,6 @@ def finite_samples(x, indices, settings, guidance):
                                f"({label}{guided}, first: image {indices[int(np.argmax(bad))]}): the sampling "
                                f"diverged; {lower}try more --steps or another --sampler; they were not written")
     return x
-
-
-def check_class_label(class_label, num_classes):
-    """ValueError (one line) unless ``class_label`` is None or a class of a model of ``num_classes`` (0:
-    unconditional)."""
-    if class_label is None:
-        return
-    if not num_classes:
-        raise ValueError(f"class {class_label} asked of an unconditional model (trained without --num_classes)")
-    if not 0 <= class_label < num_classes:
-        raise ValueError(f"class {class_label} is outside the model's classes 0..{num_classes - 1}")
 
 
 @contextlib.contextmanager

@@ -97,3 +97,14 @@ class UNetConfig:
                     if resolution in self.attention_resolutions] + [width * mults[-1]]  # + the middle block
         for channels in attended:
             attention_heads(channels, self.num_heads, self.num_head_channels)
+
+
+def check_class_label(class_label, num_classes):
+    """ValueError (one line) unless ``class_label`` is None or a class of a model of ``num_classes`` (0:
+    unconditional)."""
+    if class_label is None:
+        return
+    if not num_classes:
+        raise ValueError(f"class {class_label} asked of an unconditional model (trained without --num_classes)")
+    if not 0 <= class_label < num_classes:
+        raise ValueError(f"class {class_label} is outside the model's classes 0..{num_classes - 1}")

@@ -17,8 +17,8 @@ from megdiffusion.progress import progress_bar
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.files.disk import output_directory, save_npz, write_text
 from megdiffusion.diffusion.sampler_settings import SamplerSettings
-from megdiffusion.diffusion.generation import Autoguidance, check_class_label, generate_images, sampling_networks
 from megdiffusion.files.images import make_grid, read_image, save_png
+from megdiffusion.nn.options import check_class_label
 from megdiffusion.sampling.model import load
 from megdiffusion.training import checkpoint, distributed
 
@@ -130,6 +130,8 @@ def load_guidance(guide_ckpt, weight, cfg, ema=True, unconditional=False):
     if unconditional and not guide_cfg.class_dropout:
         raise SamplingError(f"--guide_unconditional: {guide_ckpt} was trained without --class_dropout, so it never "
                             "learnt to predict without a class; guide it with the class (drop the flag)")
+    from megdiffusion.diffusion.generation import Autoguidance
+
     return Autoguidance(model, float(weight), unconditional), step
 
 
@@ -192,6 +194,8 @@ def sample_to_directory(model, diffusion, image_shape, output, num_images, seed,
     Each PNG is written atomically as soon as its batch is done, so an interrupted run loses at most
     one batch and a rerun continues where it stopped.
     """
+    from megdiffusion.diffusion.generation import generate_images, sampling_networks
+
     todo = missing_indices(output, num_images, rank, world_size)
     if not todo:
         return 0

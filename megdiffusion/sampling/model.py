@@ -142,13 +142,11 @@ def load(path, ema=True):
     ``scripts.export``, or a checkpoint ``scripts.convert`` reads (a diffusers directory, Ho's, pytorch-ddpm's,
     improved-diffusion's, the MegEngine port's). ``ema``: the EMA weights where the file holds both (checkpoints
     always do); ``False``: the raw ones. Raises ``LoadError`` (or the checkpoint's and converter's own errors)."""
-    from megdiffusion.compat import quiet_megengine
     from megdiffusion.formats import ConvertError
     from megdiffusion.formats.mge_graph import is_mge
     from megdiffusion.training import checkpoint
 
     path = os.fspath(path)
-    quiet_megengine()
     if os.path.isfile(path) and is_mge(path):
         return _load_graph(path, ema)
     if (os.path.isfile(path) and _published_file(path)
@@ -183,9 +181,11 @@ def _published_file(path):
 
 def _network(cfg, weights, path):
     """``cfg``'s UNet with ``weights`` (a state dict read from ``path``), in eval mode."""
+    from megdiffusion.compat import quiet_megengine
     from megdiffusion.training.checkpoint import load_weights
     from megdiffusion.training.config import build_model
 
+    quiet_megengine()  # when MegEngine was imported before megdiffusion
     network = build_model(cfg)
     load_weights(network, weights, path)
     network.eval()
@@ -202,6 +202,7 @@ def _load_converted(path, ema):
 
 
 def _load_graph(path, ema):
+    from megdiffusion.compat import quiet_megengine
     from megdiffusion.formats.mge_graph import DeployedNetwork, read_mge_info
     from megdiffusion.training.checkpoint import config_of
 
@@ -209,5 +210,6 @@ def _load_graph(path, ema):
     cfg = config_of({"config": info.get("config")}, path)  # checked as a checkpoint's config is
     if not ema and info.get("weights") == "ema":
         raise LoadError(f"{path} holds the EMA weights; export the checkpoint again with --noema for the raw ones")
+    quiet_megengine()
     return Model(DeployedNetwork(path, cfg.num_classes), cfg, info.get("step", 0), info.get("weights", "ema"),
                  {"file": os.path.abspath(path), "exported_from": info.get("source")})

@@ -9,7 +9,6 @@ parameter and every parameter is filled, or nothing is written. Bad input: one `
 """
 from absl import flags
 
-from megdiffusion.compat import quiet_megengine
 from megdiffusion.diffusion.choices import VAR_TYPES
 from megdiffusion.diffusion.schedules import SCHEDULES
 from megdiffusion.files.disk import check_not_input, check_writable
@@ -44,7 +43,6 @@ flags.adopt_module_key_flags(shared_flags)
 
 
 def main(argv):
-    quiet_megengine()
     from megdiffusion.formats.convert import convert
     from megdiffusion.training import checkpoint
 

@@ -22,7 +22,6 @@ import time
 
 from absl import flags
 
-from megdiffusion.compat import quiet_megengine
 from megdiffusion.training.config import CPU_RECIPE, field_bounds
 from megdiffusion.files.disk import copy_file, output_directory, save_npz, write_text
 from megdiffusion.metrics.kid_pr import NEIGHBOURS
@@ -138,14 +137,12 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, settin
     (guided by the model ``GUIDE_FRACTION`` of the way through the training when ``guidance`` > 1), draw grids
     and score; returns the summary dict (also written to summary.json)."""
     from megdiffusion.scripts.cli import UsageError, config_from_flagfile
-    from megdiffusion.metrics.evaluate import model_scores, reference_statistics
     from megdiffusion.metrics.scores import METRICS, compare
-    from megdiffusion.diffusion.generation import Autoguidance
     from megdiffusion.files.images import make_grid, save_png
     from megdiffusion.sampling.jobs import check_sampler, load_model
     from megdiffusion.training.checkpoint import config_of, list_checkpoints, load_latest
     from megdiffusion.training.config import build_diffusion, profile_sigma_rels
-    from megdiffusion.training.trainer import check_training, train
+    from megdiffusion.training.start import check_training, train
 
     logdir = os.path.join(output, "train")
     guide_path = os.path.join(output, GUIDE)
@@ -174,7 +171,7 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, settin
     if num_images + num_reference > len(images):
         raise UsageError(f"--num_images {num_images} + --num_reference {num_reference} is more than the "
                          f"{len(images)} training images: the floor's real images must be apart from the reference")
-    check_sampler(build_diffusion(cfg), settings)  # before training, not after it
+    check_sampler(build_diffusion(cfg, chain_only=True), settings)  # before training, not after it
     for part in (first, second) if fraction > 0 else (second,):
         check_training(part)  # before the demo's own files, not after them
     with output_directory(output, "--output", MARKER):
@@ -185,6 +182,8 @@ def demo(output, minutes, resume, config_path, num_images, num_reference, settin
             copy_file(list_checkpoints(logdir)[-1], guide_path)
         step = train(second, images)
         train_seconds = time.monotonic() - started
+        from megdiffusion.diffusion.generation import Autoguidance  # these import MegEngine: not before the checks
+        from megdiffusion.metrics.evaluate import model_scores, reference_statistics
 
         model, diffusion, _, _ = load_model(logdir, ema=True)
         guide, guide_step = None, None
@@ -246,7 +245,6 @@ def main(argv):
                              f"neighbours), got {FLAGS.num_images} and {FLAGS.num_reference}")
         # The converted Inception weights are cached under --output too: nothing is written elsewhere.
         os.environ["XDG_CACHE_HOME"] = os.path.abspath(os.path.join(FLAGS.output, "cache"))
-        quiet_megengine()
         s = demo(FLAGS.output, minutes, FLAGS.resume, FLAGS.config or CPU_RECIPE,
                  FLAGS.num_images, FLAGS.num_reference, shared_flags.sampler_settings(FLAGS, "demo"),
                  FLAGS.batch_size, FLAGS.images, FLAGS.guidance, FLAGS.sweep_images, FLAGS.snapshot_every)

@@ -18,7 +18,6 @@ import os
 
 from absl import flags
 
-from megdiffusion.compat import quiet_megengine
 from megdiffusion.files.disk import OutputError, check_not_input, check_writable
 from megdiffusion.formats import EXPORT_TARGETS
 from megdiffusion.formats.onnx_graph import OPSETS
@@ -54,7 +53,6 @@ def _check_output(out, target, overwrite):
 
 
 def main(argv):
-    quiet_megengine()
     from megdiffusion.sampling.model import load
 
     with one_line_errors(), megengine_failures("nothing was written; rerun the same command"):

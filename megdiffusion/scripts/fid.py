@@ -16,7 +16,6 @@ import sys
 
 from absl import flags
 
-from megdiffusion.compat import quiet_megengine
 from megdiffusion.files.disk import check_not_input, check_writable
 from megdiffusion.metrics.kid_pr import KID_SEED, KID_SUBSET_SIZE, KID_SUBSETS
 from megdiffusion.metrics.scores import check_sizes, compare, needs_features, parse_metrics, score_lines
@@ -190,7 +189,6 @@ def floor_lines(paths, metrics):
 
 def main(argv):
     paths = argv[1:]
-    quiet_megengine()
     from megdiffusion.metrics import FEATURE_DIM
     from megdiffusion.metrics.fid import open_source, save_statistics
 

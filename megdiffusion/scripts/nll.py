@@ -12,7 +12,6 @@ import math
 import numpy as np
 from absl import flags
 
-from megdiffusion.compat import quiet_megengine
 from megdiffusion.scripts import cli, shared_flags
 from megdiffusion.scripts.cli import MAX_IMAGES, UsageError, define_integer, megengine_failures, one_line_errors
 
@@ -45,8 +44,6 @@ def _images(spec, image_shape, num_images):
 
 
 def main(argv):
-    quiet_megengine()
-    from megdiffusion.metrics.evaluate import bits_per_dim
     from megdiffusion.progress import progress_bar
     from megdiffusion.sampling.jobs import SamplingError, load_model
 
@@ -65,6 +62,8 @@ def main(argv):
         except ValueError as err:
             raise SamplingError(str(err)) from None
         images = _images(argv[1], cfg.image_shape, FLAGS.num_images)
+        from megdiffusion.metrics.evaluate import bits_per_dim  # MegEngine's, once the input is checked
+
         with progress_bar(total=len(images), unit="img", desc="bits/dim", disable=not FLAGS.progress,
                           bar_format="{l_bar}{bar}| {n:.1f}/{total} [{elapsed}<{remaining}]") as bar:
             result = bits_per_dim(model, chain, images, FLAGS.seed, FLAGS.batch_size, progress=bar)

@@ -28,19 +28,14 @@ flags.adopt_module_key_flags(shared_flags)
 
 def _targets():
     """``--sigma_rel`` as floats, checked."""
-    from megdiffusion.training.posthoc_ema import MAX_SIGMA_REL
+    from megdiffusion.training.posthoc_ema import parse_sigma_rels
 
     if not FLAGS.sigma_rel:
         raise UsageError("give --sigma_rel, the EMA lengths to rebuild (e.g. --sigma_rel 0.03,0.07,0.15)")
     try:
-        targets = [float(text) for text in FLAGS.sigma_rel]
-    except ValueError:
-        raise UsageError(f"--sigma_rel must be numbers, comma-separated; got {','.join(FLAGS.sigma_rel)}") from None
-    wrong = [t for t in targets if not 0 < t <= MAX_SIGMA_REL]
-    if wrong:
-        raise UsageError(f"--sigma_rel {wrong[0]:g} is outside (0, {MAX_SIGMA_REL}]: a profile beyond it weights the "
-                         "first images most, which no EMA does")
-    return targets
+        return parse_sigma_rels(FLAGS.sigma_rel, "--sigma_rel")
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def main(argv):

@@ -10,7 +10,6 @@ A class-conditional model draws image i of class i mod its number of classes, or
 """
 from absl import flags
 
-from megdiffusion.compat import quiet_megengine
 from megdiffusion.scripts import cli, shared_flags
 from megdiffusion.scripts.cli import (MAX_IMAGES, UsageError, define_integer, megengine_failures, one_line_errors,
                                       reject_arguments)
@@ -36,7 +35,6 @@ flags.adopt_module_key_flags(shared_flags)
 
 def main(argv):
     reject_arguments(argv)
-    quiet_megengine()
     from megdiffusion import sampling
 
     with one_line_errors(), \

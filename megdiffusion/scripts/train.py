@@ -15,7 +15,6 @@ import sys
 from absl import flags
 
 from megdiffusion import environment
-from megdiffusion.compat import quiet_megengine
 from megdiffusion.scripts import cli
 from megdiffusion.scripts.cli import (check_flags_matter, megengine_failures,
                                       one_line_errors, parse_into, reject_arguments)
@@ -41,9 +40,8 @@ FLAG_NEEDS = {"sample_sampler": _SAMPLING, "sample_steps": _SAMPLING, "sample_sp
 def main(argv):
     """Train the config the flags give."""
     reject_arguments(argv)
-    quiet_megengine()
     from megdiffusion.training.config import config_from_flags
-    from megdiffusion.training.trainer import train
+    from megdiffusion.training.start import train
 
     with one_line_errors():
         check_flags_matter(FLAGS, FLAG_NEEDS)
@@ -74,7 +72,6 @@ def read_recipe(argv):
 
 def _read_recipe_first():
     environment.check()  # before MegEngine reads its own variables, which it could crash on
-    quiet_megengine()  # before a continued run's checkpoint is read
     read_recipe(sys.argv)
 
 

@@ -17,6 +17,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Optional, Tuple
 
+from megdiffusion.cpu.choice import cpu_engine_enabled
 from megdiffusion.data.datasets import DATASETS
 from megdiffusion.metrics.scores import check_sizes, parse_metrics
 from megdiffusion.diffusion.choices import LEARNED_VAR_TYPES, LOSS_TYPES, MEAN_TYPES, SAMPLERS, SPACINGS, VAR_TYPES
@@ -25,7 +26,7 @@ from megdiffusion.diffusion.schedules import SCHEDULES
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.nn.options import DOWNSAMPLE_PADDING, DOWNSAMPLE_PADDINGS, NORM_EPS, NORM_GROUPS, TIME_EMBEDDING, \
     TIME_EMBEDDINGS, UNetConfig
-from megdiffusion.training.posthoc_ema import MAX_SIGMA_REL
+from megdiffusion.training.posthoc_ema import MAX_SIGMA_REL, parse_sigma_rels
 
 # The recipes' flagfiles, and the CPU recipe (the embedded Fashion-MNIST): what the train script and the demo read
 # without a flagfile.
@@ -59,7 +60,7 @@ def _flag(default, help_text, *, role, **metadata):
     ``absent``: the value a stored config (``from_dict``) that lacks the field stands for, when that is not the
     default; ``guide=True``: a guiding model must share it (what the network sees and predicts);
     ``width_depth=True``: it sizes the network, so a command line giving it composes its own recipe;
-    ``megengine_only=True``: it runs on MegEngine's kernels alone (``engine.check_step_options``);
+    ``megengine_only=True``: it runs on MegEngine's kernels alone (``check_step_options``);
     ``whole_run=True``: it holds from a run's first step, so no resume changes it, asked or not;
     ``sparse=True``: stored (``to_dict``) only when it differs from the default, so a run that does not use an option
     added later keeps a config that earlier versions (which refuse unknown keys) still read."""
@@ -74,6 +75,18 @@ def names(role=None, **metadata):
     roles = (role,) if isinstance(role, str) else role
     return tuple(f.name for f in fields(TrainConfig) if (roles is None or f.metadata["role"] in roles)
                  and all(f.metadata.get(key) == value for key, value in metadata.items()))
+
+
+def check_step_options(cfg, engine=None):
+    """``ConfigError`` (one line) for ``--amp`` or ``--trace`` with an ``engine`` (default: the CPU engine when it is
+    chosen, ``cpu.choice``) that does not run MegEngine's kernels: the CPU engine computes outside MegEngine, in
+    float32, eagerly."""
+    wanted = [f"--{name}" for name in names(megengine_only=True) if getattr(cfg, name)]
+    on_megengine = engine == "megengine" if engine else not cpu_engine_enabled()
+    if wanted and not on_megengine:
+        raise ConfigError(f"{' and '.join(wanted)} run{'s' if len(wanted) == 1 else ''} on MegEngine's own kernels, "
+                          "which this machine's fast CPU path replaces; train on a GPU, or set "
+                          "MEGDIFFUSION_FAST_CONV=0 to use MegEngine's (slow) CPU kernels")
 
 
 def refused_on_resume(allow_changes=False):
@@ -363,7 +376,7 @@ def validate(cfg):
     except ValueError as err:
         raise ConfigError(f"bad model flags: {err}") from None
     try:
-        diffusion = build_diffusion(cfg)
+        diffusion = build_diffusion(cfg, chain_only=True)
     except ValueError as err:
         raise ConfigError(f"bad diffusion flags: {err}") from None
     if cfg.microbatch and local_batch % cfg.microbatch:
@@ -396,23 +409,12 @@ def grid_sampler(cfg):
 
 
 def profile_sigma_rels(cfg):
-    """The ``ema_profiles`` as floats, in their order; ``ConfigError`` for a list that is not distinct numbers in
-    (0, ``MAX_SIGMA_REL``]."""
+    """The ``ema_profiles`` as floats, in their order (``posthoc_ema.parse_sigma_rels``); ``ConfigError`` otherwise."""
     text = cfg.ema_profiles.strip()
-    if not text:
-        return ()
     try:
-        values = tuple(float(item) for item in text.split(","))
-    except ValueError:
-        raise ConfigError(f"--ema_profiles must be relative standard deviations, comma-separated (e.g. 0.05,0.10); "
-                          f"got {cfg.ema_profiles!r}") from None
-    wrong = [v for v in values if not 0 < v <= MAX_SIGMA_REL]
-    if wrong:
-        raise ConfigError(f"--ema_profiles: sigma_rel {wrong[0]:g} is outside (0, {MAX_SIGMA_REL}]: EDM2 tracks 0.05 "
-                          "and 0.10, and reconstructs lengths between them and around")
-    if len(set(values)) != len(values):
-        raise ConfigError(f"--ema_profiles names a profile twice ({cfg.ema_profiles}); give each once")
-    return values
+        return parse_sigma_rels(text.split(","), "--ema_profiles") if text else ()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def unet_config(cfg):
@@ -434,13 +436,18 @@ def output_channels(cfg):
     return cfg.image_channels * (2 if cfg.var_type in LEARNED_VAR_TYPES else 1)
 
 
-def build_diffusion(cfg):
-    """The GaussianDiffusion the config describes."""
-    from megdiffusion.diffusion import GaussianDiffusion, make_beta_schedule
+def build_diffusion(cfg, chain_only=False):
+    """The GaussianDiffusion the config describes; ``chain_only``: its options and schedule alone (``DiffusionChain``,
+    which needs no MegEngine: what validation reads)."""
+    from megdiffusion.diffusion import make_beta_schedule
+    from megdiffusion.diffusion.chain import DiffusionChain
 
-    betas = make_beta_schedule(cfg.beta_schedule, cfg.num_timesteps)
-    return GaussianDiffusion(betas, mean_type=cfg.mean_type, var_type=cfg.var_type, loss_type=cfg.loss_type,
-                             rescale_timesteps=cfg.rescale_timesteps, min_snr_gamma=cfg.min_snr_gamma)
+    kind = DiffusionChain
+    if not chain_only:
+        from megdiffusion.diffusion.gaussian import GaussianDiffusion as kind
+    return kind(make_beta_schedule(cfg.beta_schedule, cfg.num_timesteps), mean_type=cfg.mean_type,
+                var_type=cfg.var_type, loss_type=cfg.loss_type, rescale_timesteps=cfg.rescale_timesteps,
+                min_snr_gamma=cfg.min_snr_gamma)
 
 
 def define_flags(flag_values):

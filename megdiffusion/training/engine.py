@@ -25,7 +25,7 @@ from megdiffusion.cpu.choice import cpu_engine_enabled
 from megdiffusion.cpu.flat_update import FlatUpdate
 from megdiffusion.errors import MegdiffusionError
 from megdiffusion.training import distributed
-from megdiffusion.training.config import ConfigError, names, profile_sigma_rels
+from megdiffusion.training.config import check_step_options, profile_sigma_rels
 
 mge = quiet_megengine()
 import megengine.functional as F  # noqa: E402
@@ -352,18 +352,6 @@ class DeviceEngine(_Engine):
         """Drop the last gradients without an update."""
         self.optimizer.clear_grad()
         self._last = None
-
-
-def check_step_options(cfg, engine=None):
-    """``ConfigError`` (one line) for ``--amp`` or ``--trace`` with an ``engine`` (default: the CPU engine when it is
-    chosen, ``cpu.choice``) that does not run MegEngine's kernels: the CPU engine computes outside MegEngine, in
-    float32, eagerly."""
-    wanted = [f"--{name}" for name in names(megengine_only=True) if getattr(cfg, name)]
-    on_megengine = engine == "megengine" if engine else not cpu_engine_enabled()
-    if wanted and not on_megengine:
-        raise ConfigError(f"{' and '.join(wanted)} run{'s' if len(wanted) == 1 else ''} on MegEngine's own kernels, "
-                          "which this machine's fast CPU path replaces; train on a GPU, or set "
-                          "MEGDIFFUSION_FAST_CONV=0 to use MegEngine's (slow) CPU kernels")
 
 
 def choose_engine(model, world_size):

@@ -17,7 +17,6 @@ from megdiffusion.progress import progress_bar
 
 from megdiffusion.files.disk import write_text
 from megdiffusion.files.images import make_grid
-from megdiffusion.diffusion.generation import generate_images
 from megdiffusion.training.config import grid_sampler, to_flagfile, to_json
 
 
@@ -34,6 +33,8 @@ def sample_grid(model, diffusion, cfg):
     """An image grid (uint8 HWC) of ``model``'s images 0..sample_num-1 of the run seed (the same noise at
     every step and on resume), sampled with the grid sampler and step count; a class-conditional model's has a
     column per class."""
+    from megdiffusion.diffusion.generation import generate_images  # MegEngine's: write_run_files comes before it
+
     images = generate_images(model, diffusion, cfg.image_shape, range(cfg.sample_num), cfg.seed, grid_sampler(cfg),
                              batch_size=cfg.sample_num)
     return make_grid(images, nrow=cfg.num_classes or None)

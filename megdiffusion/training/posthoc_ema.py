@@ -10,6 +10,23 @@ import numpy as np
 MAX_SIGMA_REL = 0.28  # beyond it gamma < 0.2 or so: a profile weighted towards the first images, not an average
 
 
+def parse_sigma_rels(texts, flag):
+    """``texts`` as distinct relative standard deviations in (0, ``MAX_SIGMA_REL``], in their order; ValueError (one
+    line naming ``flag``) otherwise: what --ema_profiles and --sigma_rel take."""
+    try:
+        values = tuple(float(text) for text in texts)
+    except ValueError:
+        raise ValueError(f"{flag} must be relative standard deviations, comma-separated (e.g. 0.05,0.10); got "
+                         f"{','.join(texts)}") from None
+    wrong = [v for v in values if not 0 < v <= MAX_SIGMA_REL]
+    if wrong:
+        raise ValueError(f"{flag}: sigma_rel {wrong[0]:g} is outside (0, {MAX_SIGMA_REL}]: EDM2 tracks 0.05 and "
+                         "0.10; a profile beyond the bound weights the first images most, which no EMA does")
+    if len(set(values)) != len(values):
+        raise ValueError(f"{flag} names a length twice ({','.join(texts)}); give each once")
+    return values
+
+
 def gamma_of(sigma_rel):
     """The exponent gamma of a profile of relative standard deviation ``sigma_rel``: the largest real root of
     gamma^3 + 7 gamma^2 + (16 - sigma_rel^-2) gamma + (12 - sigma_rel^-2) (EDM2 Eq. 126), polished by Newton."""

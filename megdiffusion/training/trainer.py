@@ -1,4 +1,5 @@
-"""Training: the state and one step (``Trainer``), and the loop around it (``TrainingRun``, ``train``).
+"""Training: the state and one step (``Trainer``), and the loop around it (``TrainingRun``, one process's
+``run_worker``); ``start.train`` checks, locks the logdir and launches them.
 
 Randomness without saved generator state: a step's timesteps, noise and dropout seed are functions of (seed, step,
 the samples' place in the global batch) (``draws``), the data order a function of (seed, epoch). A checkpoint
@@ -8,7 +9,6 @@ import functools
 import math
 import os
 import signal
-import sys
 import time
 
 import numpy as np
@@ -17,17 +17,16 @@ from megdiffusion.compat import EngineFailure, is_megengine_error, megengine_err
 from megdiffusion.data.datasets import dataset_identity, describe_dataset, load_dataset, load_labels
 from megdiffusion.data.loader import BatchLoader
 from megdiffusion.errors import MegdiffusionError
-from megdiffusion.files.disk import output_directory
 from megdiffusion.files.images import save_png
 from megdiffusion.training import checkpoint as ckpt
 from megdiffusion.training import distributed
 from megdiffusion.training import posthoc_ema
-from megdiffusion.training.config import ConfigError, TrainConfig, as_flag, build_diffusion, build_model, \
-    grid_sampler, profile_sigma_rels, validate
+from megdiffusion.training.config import TrainConfig, build_diffusion, build_model, \
+    grid_sampler, profile_sigma_rels
 from megdiffusion.training.draws import PER_SAMPLE, draw_step, first_sample
 from megdiffusion.training.feed import StepFeed
-from megdiffusion.training.outputs import RUN_MARKER, RunLogger, grid_path, sample_grid, write_run_files
-from megdiffusion.training.engine import LossScaler, NonFiniteLossError, check_step_options, make_engine, pieces
+from megdiffusion.training.outputs import RunLogger, grid_path, sample_grid
+from megdiffusion.training.engine import LossScaler, NonFiniteLossError, make_engine, pieces
 
 mge = quiet_megengine()
 
@@ -163,42 +162,6 @@ class Trainer:
         return NonFiniteLossError(f"gradients not finite at step {self.step_count} with the loss scale at "
                                   f"{self.scaler.scale:g}: they overflow float16 unscaled; train without --amp, or "
                                   "with a lower --lr")
-
-
-def check_logdir(cfg, images=None, allow_changes=False):
-    """The checkpoint a run resumes from, ``(state, path)`` or None, checked before anything is written:
-    ``CheckpointError`` for a fresh run on top of another run's checkpoints, a checkpoint of another recipe or of
-    other data than ``images``, a run already past ``total_steps``, or ``--init_from`` weights that do not fit the
-    network."""
-    if not cfg.resume and ckpt.list_checkpoints(cfg.logdir):
-        raise ckpt.CheckpointError(f"{cfg.logdir} already holds checkpoints; pass --resume to continue that "
-                                   "run or choose another --logdir")
-    latest = ckpt.load_latest(cfg.logdir) if cfg.resume else None
-    if latest is not None:
-        changed = ckpt.check_recipe(*latest, cfg, allow_changes)
-        if changed:
-            now = " ".join(as_flag(name, getattr(cfg, name)) for name in changed)
-            print(f"note: --allow_changes: the run continues with {now} (was {' '.join(changed.values())}), so it no "
-                  "longer equals an unbroken run", file=sys.stderr)
-        if latest[0]["step"] > cfg.total_steps:
-            raise ConfigError(f"--resume continues the run in {cfg.logdir}, which is at step {latest[0]['step']}, past "
-                              f"--total_steps {cfg.total_steps}; give --total_steps above {latest[0]['step']} to train "
-                              "on")
-        if images is not None:
-            ckpt.check_data(*latest, dataset_identity(cfg.dataset, cfg.data_path, len(images)))
-        started_from = latest[0]["config"].get("init_from")
-        if cfg.init_from and not same_path(cfg.init_from, started_from):
-            raise ConfigError(f"--resume continues the run in {cfg.logdir}, which started from "
-                              f"{started_from or 'scratch'}, and --init_from {cfg.init_from} would start another; drop "
-                              "--init_from to continue the run, or give a new --logdir to start from it")
-    elif cfg.init_from:
-        ckpt.load_init(cfg)
-    return latest
-
-
-def same_path(a, b):
-    """Whether path ``a`` and ``b`` (None: no path) name the same file or directory."""
-    return b is not None and (a == b or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)))
 
 
 class TrainingInterrupted(MegdiffusionError):
@@ -398,7 +361,7 @@ class TrainingRun:
                             f"({cfg.fid_num_images} EMA samples)")
 
 
-def _worker(cfg, images=None, latest=None, progress=True):
+def run_worker(cfg, images=None, latest=None, progress=True):
     """One training process; ``images=None``, ``latest=None``: load the dataset and the checkpoint to resume
     from here (launched workers)."""
     distributed.select_device(cfg)
@@ -406,31 +369,3 @@ def _worker(cfg, images=None, latest=None, progress=True):
     if images is None:
         images = load_dataset(cfg.dataset, path=cfg.data_path, image_size=cfg.image_size)
     return TrainingRun(cfg, images, world_size, rank, progress).run(latest)
-
-
-def check_training(cfg):
-    """What ``train`` checks before it writes anything, but the logdir: the config itself (``config.validate``), the
-    devices and distributed flags, and the step's options (``engine.check_step_options``); for callers that write
-    before training (the demo)."""
-    validate(cfg)
-    distributed.check_launch(cfg.num_gpus, cfg.device, cfg.world_size, cfg.rank_start, cfg.port)
-    check_step_options(cfg)
-
-
-def train(cfg, images, progress=True, use_launcher=None, allow_changes=False):
-    """Check the devices and the logdir, lock the logdir, write the run files, and train on one or more
-    processes. Nothing is written before every check has passed.
-
-    ``images`` (from ``config.resolve``) is used directly by a single process; launched workers
-    each load the dataset themselves rather than receive a pickled copy. ``use_launcher``: see
-    ``distributed.launch``; ``allow_changes``: a resumed run may change its training settings (``check_logdir``).
-    Returns the step reached (a list, one per local rank, when launched).
-    """
-    check_training(cfg)
-    with output_directory(cfg.logdir, "--logdir", RUN_MARKER):
-        latest = check_logdir(cfg, images, allow_changes)
-        write_run_files(cfg)
-        launched = distributed.is_multiprocess(cfg.num_gpus, cfg.world_size) if use_launcher is None else use_launcher
-        args = (cfg, None, None, progress) if launched else (cfg, images, latest, progress)
-        return distributed.launch(_worker, args, cfg.num_gpus,
-                                  cfg.world_size, cfg.rank_start, cfg.master_ip, cfg.port, use_launcher=launched)
