@@ -851,6 +851,8 @@ def test_bad_input_is_one_error_line_exit_2_and_changes_no_file(shared, command_
 # command's start): a module that imports it on a command's path before its checks shows here.
 BEFORE_MEGENGINE = ("train:missing-data", "train:58:train-labels-beyond-int32", "train:input-perturbation-with-xprev",
                     "train:58:resume-past-total-steps", "sample:garbage-checkpoint", "sample:17:crafted-checkpoint",
+                    "sample:17:eta-negative", "sample:50:euler-leading-over-T", "sample:17:output-under-file",
+                    "sample:continue-without-the-spacing", "sample:guide-missing",
                     "nll:crafted-checkpoint", "fid:missing-source", "fid:crafted-checkpoint", "demo:39:one-sample",
                     "demo:50:demo-dpmpp-leading-over-T")
 REPORT_MEGENGINE = ("import atexit, runpy, sys; atexit.register(lambda: print('imported megengine:', 'megengine' in "
@@ -863,6 +865,7 @@ def test_input_shown_wrong_by_flags_data_or_a_checkpoint_file_is_refused_before_
                                                                                                       name):
     case, script, args, message = next(c for c in CASES if f"{c[1]}:{c[0]}" == name)
     workdir, env = case_directory(shared, tmp_path)
+    args, message = [arg.replace("{shared}", str(shared)) for arg in args], message.replace("{shared}", str(shared))
     result = subprocess.run([sys.executable, "-c", REPORT_MEGENGINE, f"megdiffusion.scripts.{script}", *args],
                             cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and message in result.stderr, result.stderr

@@ -19,7 +19,7 @@ from megdiffusion.files.disk import output_directory, save_npz, write_text
 from megdiffusion.diffusion.sampler_settings import SamplerSettings
 from megdiffusion.files.images import make_grid, read_image, save_png
 from megdiffusion.nn.options import check_class_label
-from megdiffusion.sampling.model import load
+from megdiffusion.sampling.model import load, open_model
 from megdiffusion.training import checkpoint, distributed
 
 MANIFEST = "manifest.json"
@@ -60,24 +60,31 @@ class SampleJob:
 def run_job(job, num_gpus=1):
     """Write the job's missing images into ``job.output``, in this process or in one spawned process per
     GPU (``distributed.launch``), then its grid and npz; returns the checkpoint's step. Everything is checked
-    before anything is written, and the output directory is locked meanwhile."""
+    before anything is written, and the output directory is locked meanwhile; what the run's config and step show
+    wrong, before MegEngine is imported (the networks are built last)."""
+    from megdiffusion.training.config import build_diffusion
+
     distributed.check_launch(num_gpus)
-    loaded = load_model(job.ckpt, job.ema)
-    _, diffusion, cfg, step = loaded
-    check_sampler(diffusion, job.settings)
+    opened = open_model(job.ckpt, job.ema)
+    chain = build_diffusion(opened.config, chain_only=True)
+    check_sampler(chain, job.settings)
     try:
-        check_class_label(job.class_label, cfg.num_classes)
+        check_class_label(job.class_label, opened.config.num_classes)
     except ValueError as err:
         raise SamplingError(f"--class_label: {err}") from None
-    guidance, guide_step = load_guidance(job.guide_ckpt, job.guidance, cfg, job.ema, job.guide_unconditional)
+    guide, guide_step = open_guidance(job.guide_ckpt, job.guidance, opened.config, job.ema, job.guide_unconditional)
+    manifest = job.manifest(opened.step, chain, guide_step)
     with output_directory(job.output, "--output", MANIFEST):
-        prepare_output(job.output, job.manifest(step, diffusion, guide_step), diffusion)
+        check_output(job.output, manifest, chain)
+        loaded = _parts(opened.build())  # MegEngine from here: the weights are checked against the network
+        guidance = _autoguidance(guide, job.guidance, job.guide_unconditional)
+        prepare_output(job.output, manifest, chain)
         if num_gpus == 1:
             sample_share(job, loaded, guidance)
         else:
             distributed.launch(sample_share, (job,), num_gpus)
         write_summaries(job.output, job.num_images, npz=job.npz)
-    return step
+    return opened.step
 
 
 def sample_share(job, loaded=None, guidance=None):
@@ -94,20 +101,30 @@ def sample_share(job, loaded=None, guidance=None):
                                job.batch_size, rank, world_size, job.progress, guidance, job.class_label)
 
 
+def _parts(model):
+    return model.network, model.diffusion, model.config, model.step
+
+
 def load_model(ckpt_or_logdir, ema=True):
     """The network of anything ``megdiffusion.load`` reads (a checkpoint file, a run's logdir: its newest checkpoint,
     a ``.mge`` graph, a published checkpoint) as ``(network, diffusion, cfg, step)``: the network in eval mode with
     the EMA weights (``ema=False``: the raw ones) and the run's ``TrainConfig``."""
-    model = load(ckpt_or_logdir, ema)
-    return model.network, model.diffusion, model.config, model.step
+    return _parts(load(ckpt_or_logdir, ema))
 
 
 def load_guidance(guide_ckpt, weight, cfg, ema=True, unconditional=False):
     """``(Autoguidance, step)`` of the weaker model in ``guide_ckpt`` (a file or logdir) with ``weight``, for a
-    model trained with ``cfg``; ``(None, None)`` without guidance (no ``guide_ckpt`` and weight 1). ``unconditional``:
-    the guide predicts without a class. Raises ``SamplingError`` for a weight below 1, one without the other, a
-    guide that sees or predicts other things (``checkpoint.GUIDE_FIELDS``: its width and depth may differ), or an
-    unconditional guide that was not trained to be one (``--class_dropout``)."""
+    model trained with ``cfg``; ``(None, None)`` without guidance. Checked as ``open_guidance`` checks."""
+    guide, step = open_guidance(guide_ckpt, weight, cfg, ema, unconditional)
+    return _autoguidance(guide, weight, unconditional), step
+
+
+def open_guidance(guide_ckpt, weight, cfg, ema=True, unconditional=False):
+    """``(OpenedModel, step)`` of the guide in ``guide_ckpt``, its network not built; ``(None, None)`` without
+    guidance (no ``guide_ckpt`` and weight 1). ``unconditional``: the guide predicts without a class. Raises
+    ``SamplingError`` for a weight below 1, one without the other, a guide that sees or predicts other things
+    (``checkpoint.GUIDE_FIELDS``: its width and depth may differ), or an unconditional guide that was not trained to
+    be one (``--class_dropout``)."""
     if not math.isfinite(weight) or weight < 1:
         raise SamplingError(f"--guidance must be a number >= 1 (1: no guidance; Karras et al. use 1.5 to 3), "
                             f"got {weight:g}")
@@ -121,18 +138,25 @@ def load_guidance(guide_ckpt, weight, cfg, ema=True, unconditional=False):
         return None, None
     if weight == 1:
         raise SamplingError("--guide_ckpt needs --guidance above 1 (with 1 the guide is not used; try 2)")
-    model, _, guide_cfg, step = load_model(guide_ckpt, ema)
-    changed = checkpoint.differences(guide_cfg, cfg, checkpoint.GUIDE_FIELDS)
+    guide = open_model(guide_ckpt, ema)
+    changed = checkpoint.differences(guide.config, cfg, checkpoint.GUIDE_FIELDS)
     if changed:
         raise SamplingError(f"--guide_ckpt {guide_ckpt} was trained with different {', '.join(changed)} "
                             f"({' '.join(changed.values())}) than the sampled model; guide with a checkpoint of "
                             "the same run")
-    if unconditional and not guide_cfg.class_dropout:
+    if unconditional and not guide.config.class_dropout:
         raise SamplingError(f"--guide_unconditional: {guide_ckpt} was trained without --class_dropout, so it never "
                             "learnt to predict without a class; guide it with the class (drop the flag)")
-    from megdiffusion.diffusion.generation import Autoguidance
+    return guide, guide.step
 
-    return Autoguidance(model, float(weight), unconditional), step
+
+def _autoguidance(guide, weight, unconditional):
+    """The ``Autoguidance`` of an opened guide (None: none), its network built here."""
+    if guide is None:
+        return None
+    from megdiffusion.diffusion.generation import Autoguidance  # MegEngine's, as the network is
+
+    return Autoguidance(guide.build().network, float(weight), unconditional)
 
 
 def check_sampler(diffusion, settings):
@@ -154,31 +178,38 @@ _ABSENT = {"guide_checkpoint": None, "guide_step": None, "guidance": 1.0, "guide
 
 def prepare_output(output, settings, diffusion):
     """Write ``settings`` (``SampleJob.manifest``) as the manifest of directory ``output``, or check that its
-    manifest, resolved the same way (``SamplerSettings.resolved``), holds exactly them: every key both ways.
+    manifest holds exactly them (``check_output``)."""
+    if not check_output(output, settings, diffusion):
+        write_text(Path(output) / MANIFEST, json.dumps(settings, indent=2, sort_keys=True) + "\n")
+
+
+def check_output(output, settings, diffusion):
+    """Whether directory ``output`` has a manifest; ``SamplingError`` unless it holds exactly ``settings``, resolved
+    the same way (``SamplerSettings.resolved``): every key both ways.
 
     A directory written with other settings is refused, so images of two models or samplers never mix.
     """
     manifest = Path(output) / MANIFEST
-    if manifest.exists():
-        try:
-            previous = json.loads(manifest.read_text())
-        except (OSError, ValueError):
-            previous = None
-        if not isinstance(previous, dict) or not isinstance(previous.get("sampler"), str):
-            raise SamplingError(f"{manifest} is unreadable; delete it or choose another --output")
-        previous = {**_ABSENT, **previous}
-        try:
-            previous.update(SamplerSettings(**{key: previous.get(key) for key in (
-                "sampler", "steps", "respacing", "spacing", "order")}).resolved(diffusion))
-        except (KeyError, TypeError):
-            raise SamplingError(f"{manifest} is unreadable; delete it or choose another --output") from None
-        changed = sorted(k for k in set(settings) | set(previous) if previous.get(k) != settings.get(k))
-        if changed:
-            details = ", ".join(f"{k}: {previous.get(k)!r} -> {settings.get(k)!r}" for k in changed)
-            raise SamplingError(f"{output} holds images made with other settings ({details}); "
-                                "choose another --output or delete it")
-        return
-    write_text(manifest, json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    if not manifest.exists():
+        return False
+    try:
+        previous = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        previous = None
+    if not isinstance(previous, dict) or not isinstance(previous.get("sampler"), str):
+        raise SamplingError(f"{manifest} is unreadable; delete it or choose another --output")
+    previous = {**_ABSENT, **previous}
+    try:
+        previous.update(SamplerSettings(**{key: previous.get(key) for key in (
+            "sampler", "steps", "respacing", "spacing", "order")}).resolved(diffusion))
+    except (KeyError, TypeError):
+        raise SamplingError(f"{manifest} is unreadable; delete it or choose another --output") from None
+    changed = sorted(k for k in set(settings) | set(previous) if previous.get(k) != settings.get(k))
+    if changed:
+        details = ", ".join(f"{k}: {previous.get(k)!r} -> {settings.get(k)!r}" for k in changed)
+        raise SamplingError(f"{output} holds images made with other settings ({details}); "
+                            "choose another --output or delete it")
+    return True
 
 
 def missing_indices(output, num_images, rank=0, world_size=1):

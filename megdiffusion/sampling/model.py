@@ -5,7 +5,9 @@
 returns says what it is, is called on numpy arrays (``model(x, t, y)``: the raw network output) and samples images
 (``model.sample``) as the scripts do.
 """
+import dataclasses
 import os
+import typing
 
 import numpy as np
 
@@ -142,29 +144,45 @@ def load(path, ema=True):
     ``scripts.export``, or a checkpoint ``scripts.convert`` reads (a diffusers directory, Ho's, pytorch-ddpm's,
     improved-diffusion's, the MegEngine port's). ``ema``: the EMA weights where the file holds both (checkpoints
     always do); ``False``: the raw ones. Raises ``LoadError`` (or the checkpoint's and converter's own errors)."""
+    return open_model(path, ema).build()
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenedModel:
+    """A model read as ``load`` reads it, its network not built yet: the run's ``config`` and ``step``, which a command
+    checks its input against before MegEngine is imported, and ``build()``, the ``Model`` (weights checked then)."""
+
+    config: object
+    step: int
+    build: typing.Callable[[], Model]
+
+
+def open_model(path, ema=True):
+    """``load``'s reading of ``path`` without building the network (``OpenedModel``); a checkpoint in another format
+    is converted here, network and all."""
     from megdiffusion.formats import ConvertError
     from megdiffusion.formats.mge_graph import is_mge
     from megdiffusion.training import checkpoint
 
     path = os.fspath(path)
     if os.path.isfile(path) and is_mge(path):
-        return _load_graph(path, ema)
+        return _open_graph(path, ema)
     if (os.path.isfile(path) and _published_file(path)
             or os.path.isdir(path) and not checkpoint.list_checkpoints(path) and _diffusers_directory(path)):
-        return _load_converted(path, ema)
+        return _converted(path, ema)
     try:
         state, path = checkpoint.load_file_or_newest(path)  # missing paths and empty logdirs get its errors
     except checkpoint.CheckpointError as not_ours:
         if not os.path.isfile(path):
             raise
         try:  # a plain pickle that is not ours, such as the MegEngine port's .pkl files
-            return _load_converted(path, ema)
+            return _converted(path, ema)
         except ConvertError:
             raise not_ours from None
-    cfg = checkpoint.config_of(state, path)
-    network = _network(cfg, state["ema" if ema else "model"], path)
-    return Model(network, cfg, state["step"], "ema" if ema else "raw",
-                 {"file": os.path.abspath(path), **(state.get("source") or {})})
+    cfg, kind = checkpoint.config_of(state, path), "ema" if ema else "raw"
+    source = {"file": os.path.abspath(path), **(state.get("source") or {})}
+    return OpenedModel(cfg, state["step"], lambda: Model(_network(cfg, state["ema" if ema else "model"], path), cfg,
+                                                         state["step"], kind, source))
 
 
 def _diffusers_directory(path):
@@ -192,16 +210,17 @@ def _network(cfg, weights, path):
     return network
 
 
-def _load_converted(path, ema):
+def _converted(path, ema):
     from megdiffusion.formats.convert import convert
 
     cfg, weights, record = convert(path, ema=None if ema else False)
     kind = record["weights"]  # the state dict's key in the file: ema_model, net_model, model, or "state dict"
     weights_kind = "ema" if "ema" in kind else "raw" if kind in ("net_model", "model") else "published"
-    return Model(_network(cfg, weights, path), cfg, 0, weights_kind, record)
+    model = Model(_network(cfg, weights, path), cfg, 0, weights_kind, record)
+    return OpenedModel(cfg, 0, lambda: model)
 
 
-def _load_graph(path, ema):
+def _open_graph(path, ema):
     from megdiffusion.compat import quiet_megengine
     from megdiffusion.formats.mge_graph import DeployedNetwork, read_mge_info
     from megdiffusion.training.checkpoint import config_of
@@ -210,6 +229,11 @@ def _load_graph(path, ema):
     cfg = config_of({"config": info.get("config")}, path)  # checked as a checkpoint's config is
     if not ema and info.get("weights") == "ema":
         raise LoadError(f"{path} holds the EMA weights; export the checkpoint again with --noema for the raw ones")
-    quiet_megengine()
-    return Model(DeployedNetwork(path, cfg.num_classes), cfg, info.get("step", 0), info.get("weights", "ema"),
-                 {"file": os.path.abspath(path), "exported_from": info.get("source")})
+    step, kind, source = info.get("step", 0), info.get("weights", "ema"), {"file": os.path.abspath(path),
+                                                                           "exported_from": info.get("source")}
+
+    def build():
+        quiet_megengine()
+        return Model(DeployedNetwork(path, cfg.num_classes), cfg, step, kind, source)
+
+    return OpenedModel(cfg, step, build)
