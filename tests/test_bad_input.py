@@ -1,7 +1,6 @@
 """Bad input to train, sample, fid, nll, convert and the demo, tried as a hostile new user would: every case
 ends with exit code 2, one ``error:`` line that names the problem, no traceback, and every file as it was
 (the case's directory, the shared files it reads, and an empty HOME)."""
-import hashlib
 import json
 import os
 import pickle
@@ -748,15 +747,17 @@ CASES = [
 
 
 def tree(root):
-    """Every file, directory and symbolic link under ``root`` (``root`` too): relative path -> (size, mtime, content
-    hash; for a directory its mtime, which a file made and removed in it changes; for a link its target)."""
+    """Every file, directory and symbolic link under ``root`` (``root`` too): relative path -> (inode, size, mtime,
+    ctime; for a directory its mtime, which a file made and removed in it changes; for a link its target). A file's
+    ctime changes with any write to it, even one that keeps its size and sets its mtime back, and no process can set
+    it; an atomic replacement is a new inode."""
     found = {}
     for path in [Path(root), *sorted(Path(root).rglob("*"))]:
         status = path.lstat()
         found[str(path.relative_to(root))] = (
             os.readlink(path) if path.is_symlink() else ("dir", status.st_mtime_ns) if path.is_dir() else
             ("fifo", status.st_mtime_ns) if path.is_fifo() else
-            (status.st_size, status.st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest()))
+            (status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns))
     return found
 
 
