@@ -854,7 +854,8 @@ BEFORE_MEGENGINE = ("train:missing-data", "train:58:train-labels-beyond-int32", 
                     "train:58:resume-past-total-steps", "sample:garbage-checkpoint", "sample:17:crafted-checkpoint",
                     "sample:17:eta-negative", "sample:50:euler-leading-over-T", "sample:17:output-under-file",
                     "sample:continue-without-the-spacing", "sample:guide-missing",
-                    "nll:crafted-checkpoint", "fid:missing-source", "fid:crafted-checkpoint", "demo:39:one-sample",
+                    "nll:crafted-checkpoint", "nll:respacing-over-T", "nll:class-conditional", "fid:missing-source",
+                    "fid:crafted-checkpoint", "fid:respacing-garbage", "fid:guidance-nan", "demo:39:one-sample",
                     "demo:50:demo-dpmpp-leading-over-T")
 REPORT_MEGENGINE = ("import atexit, runpy, sys; atexit.register(lambda: print('imported megengine:', 'megengine' in "
                     "sys.modules)); sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__', "

@@ -2,7 +2,9 @@
 MegEngine (what a config's validation and the CPU engine read); ``GaussianDiffusion`` adds the arithmetic on tensors."""
 import numpy as np
 
+from megdiffusion.diffusion import solvers
 from megdiffusion.diffusion.choices import LEARNED_VAR_TYPES, LOSS_TYPES, MEAN_TYPES, VAR_TYPES, check_choice
+from megdiffusion.diffusion.spacing import sampling_timesteps
 
 
 class DiffusionChain:
@@ -92,3 +94,26 @@ class DiffusionChain:
     def learns_variance(self):
         """Whether the model outputs a variance (twice the image channels)."""
         return self.var_type in LEARNED_VAR_TYPES
+
+    def respace(self, timesteps):
+        """The chain over the increasing subsequence ``timesteps`` of this one: betas recomputed so that its
+        alphas_cumprod are this chain's alphas_cumprod at those timesteps; the model still sees the original
+        timesteps (``timestep_map``)."""
+        timesteps = np.asarray(timesteps, dtype=np.int64)
+        if timesteps.ndim != 1 or not len(timesteps) or (np.diff(timesteps) <= 0).any() \
+                or timesteps[0] < 0 or timesteps[-1] >= self.num_timesteps:
+            raise ValueError(f"respacing needs increasing timesteps within 0..{self.num_timesteps - 1}")
+        alphas_cumprod = self.alphas_cumprod[timesteps]
+        betas = 1.0 - alphas_cumprod / np.append(1.0, alphas_cumprod[:-1])
+        return type(self)(betas, self.mean_type, self.var_type, self.loss_type, self.rescale_timesteps,
+                          self.timestep_map[timesteps], self.original_num_steps, self.min_snr_gamma)
+
+    def respaced(self, steps=None, respacing=None, spacing=None):
+        """This chain respaced to the timesteps ``spacing.sampling_timesteps`` keeps, or with ``spacing``
+        "linspace" or "trailing" those of ``solvers.integer_timesteps`` (itself when all are kept)."""
+        if spacing in ("linspace", "trailing"):
+            steps = self.num_timesteps if steps is None else steps
+            timesteps = np.sort(solvers.integer_timesteps(self.num_timesteps, steps, spacing, drop_zero=False))
+        else:
+            timesteps = sampling_timesteps(self.num_timesteps, steps, respacing)
+        return self if len(timesteps) == self.num_timesteps else self.respace(timesteps)

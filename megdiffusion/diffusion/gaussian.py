@@ -22,7 +22,6 @@ from megdiffusion.diffusion.chain import DiffusionChain
 from megdiffusion.diffusion.choices import ANCESTRAL
 from megdiffusion.diffusion.sampler_settings import SamplerSettings
 from megdiffusion.diffusion.losses import discretized_gaussian_log_likelihood, mean_flat, normal_kl
-from megdiffusion.diffusion.spacing import sampling_timesteps
 
 # Arrays gathered per sample at timestep t (moved to float32 tensors once).
 _PER_SAMPLE = (
@@ -300,29 +299,6 @@ class GaussianDiffusion(DiffusionChain):
         p = self.p_mean_variance(self.run_model(model, x_t, t), x_t, t, clip_denoised)
         a_next = self._extract("alphas_cumprod_next", t, x_t.ndim)
         return F.sqrt(a_next) * p["pred_xstart"] + F.sqrt(1.0 - a_next) * p["eps"]
-
-    def respace(self, timesteps):
-        """The chain over the increasing subsequence ``timesteps`` of this one: betas recomputed so that its
-        alphas_cumprod are this chain's alphas_cumprod at those timesteps; the model still sees the original
-        timesteps (``timestep_map``)."""
-        timesteps = np.asarray(timesteps, dtype=np.int64)
-        if timesteps.ndim != 1 or not len(timesteps) or (np.diff(timesteps) <= 0).any() \
-                or timesteps[0] < 0 or timesteps[-1] >= self.num_timesteps:
-            raise ValueError(f"respacing needs increasing timesteps within 0..{self.num_timesteps - 1}")
-        alphas_cumprod = self.alphas_cumprod[timesteps]
-        betas = 1.0 - alphas_cumprod / np.append(1.0, alphas_cumprod[:-1])
-        return GaussianDiffusion(betas, self.mean_type, self.var_type, self.loss_type, self.rescale_timesteps,
-                                 self.timestep_map[timesteps], self.original_num_steps, self.min_snr_gamma)
-
-    def respaced(self, steps=None, respacing=None, spacing=None):
-        """This chain respaced to the timesteps ``spacing.sampling_timesteps`` keeps, or with ``spacing``
-        "linspace" or "trailing" those of ``solvers.integer_timesteps`` (itself when all are kept)."""
-        if spacing in ("linspace", "trailing"):
-            steps = self.num_timesteps if steps is None else steps
-            timesteps = np.sort(solvers.integer_timesteps(self.num_timesteps, steps, spacing, drop_zero=False))
-        else:
-            timesteps = sampling_timesteps(self.num_timesteps, steps, respacing)
-        return self if len(timesteps) == self.num_timesteps else self.respace(timesteps)
 
     def sample(self, model, shape, sampler="ddpm", steps=None, eta=0.0, noise=None, clip_denoised=True,
                progress=False, seeds=None, respacing=None, spacing=None, order=None):

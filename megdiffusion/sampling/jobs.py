@@ -19,7 +19,8 @@ from megdiffusion.files.disk import output_directory, save_npz, write_text
 from megdiffusion.diffusion.sampler_settings import SamplerSettings
 from megdiffusion.files.images import make_grid, read_image, save_png
 from megdiffusion.nn.options import check_class_label
-from megdiffusion.sampling.model import load, open_model
+from megdiffusion.diffusion.chain import DiffusionChain
+from megdiffusion.sampling.model import OpenedModel, load, open_model
 from megdiffusion.training import checkpoint, distributed
 
 MANIFEST = "manifest.json"
@@ -62,29 +63,55 @@ def run_job(job, num_gpus=1):
     GPU (``distributed.launch``), then its grid and npz; returns the checkpoint's step. Everything is checked
     before anything is written, and the output directory is locked meanwhile; what the run's config and step show
     wrong, before MegEngine is imported (the networks are built last)."""
-    from megdiffusion.training.config import build_diffusion
-
     distributed.check_launch(num_gpus)
-    opened = open_model(job.ckpt, job.ema)
-    chain = build_diffusion(opened.config, chain_only=True)
-    check_sampler(chain, job.settings)
-    try:
-        check_class_label(job.class_label, opened.config.num_classes)
-    except ValueError as err:
-        raise SamplingError(f"--class_label: {err}") from None
-    guide, guide_step = open_guidance(job.guide_ckpt, job.guidance, opened.config, job.ema, job.guide_unconditional)
-    manifest = job.manifest(opened.step, chain, guide_step)
+    checked = open_checked(job.ckpt, job.ema, job.settings, job.guide_ckpt, job.guidance, job.guide_unconditional,
+                           job.class_label)
+    manifest = job.manifest(checked.model.step, checked.chain, checked.guide_step)
     with output_directory(job.output, "--output", MANIFEST):
-        check_output(job.output, manifest, chain)
-        loaded = _parts(opened.build())  # MegEngine from here: the weights are checked against the network
-        guidance = _autoguidance(guide, job.guidance, job.guide_unconditional)
-        prepare_output(job.output, manifest, chain)
+        check_output(job.output, manifest, checked.chain)
+        loaded, guidance = checked.build()
+        prepare_output(job.output, manifest, checked.chain)
         if num_gpus == 1:
             sample_share(job, loaded, guidance)
         else:
             distributed.launch(sample_share, (job,), num_gpus)
         write_summaries(job.output, job.num_images, npz=job.npz)
-    return opened.step
+    return checked.model.step
+
+
+@dataclass(frozen=True)
+class CheckedModels:
+    """A model and its guide opened (``open_model``) and checked against the sampler settings, the class and the
+    guidance flags (``open_checked``), their networks not built yet."""
+
+    model: OpenedModel
+    chain: DiffusionChain  # the model's diffusion, without MegEngine: what the settings were checked against
+    guide: Optional[OpenedModel]
+    guide_step: Optional[int]
+    guidance: float
+    guide_unconditional: bool
+
+    def build(self):
+        """``(loaded, autoguidance)``: ``load_model``'s four and ``load_guidance``'s ``Autoguidance`` (None: none);
+        MegEngine from here, the weights checked against the networks."""
+        return _parts(self.model.build()), _autoguidance(self.guide, self.guidance, self.guide_unconditional)
+
+
+def open_checked(ckpt, ema, settings, guide_ckpt=None, guidance=1.0, guide_unconditional=False, class_label=None):
+    """``CheckedModels`` of ``ckpt`` (a file or logdir, ``ema``: its EMA weights) sampled with ``settings``, guided by
+    ``guide_ckpt`` with weight ``guidance`` (``open_guidance``) and of ``class_label``: ``SamplingError`` for any of
+    them the run's config refuses."""
+    from megdiffusion.training.config import build_diffusion
+
+    opened = open_model(ckpt, ema)
+    chain = build_diffusion(opened.config, chain_only=True)
+    check_sampler(chain, settings)
+    try:
+        check_class_label(class_label, opened.config.num_classes)
+    except ValueError as err:
+        raise SamplingError(f"--class_label: {err}") from None
+    guide, guide_step = open_guidance(guide_ckpt, guidance, opened.config, ema, guide_unconditional)
+    return CheckedModels(opened, chain, guide, guide_step, guidance, guide_unconditional)
 
 
 def sample_share(job, loaded=None, guidance=None):

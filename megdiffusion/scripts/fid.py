@@ -109,11 +109,10 @@ def reference_of(reference_spec, metrics):
 def load_checked(ckpt):
     """``(model, diffusion, cfg, step, guidance)`` of the model ``ckpt``, with the sampler settings and the guidance
     checked against it, before any sampling or Inception pass."""
-    from megdiffusion.sampling.jobs import check_sampler, load_guidance, load_model
+    from megdiffusion.sampling.jobs import open_checked
 
-    model, diffusion, cfg, step = load_model(ckpt, ema=FLAGS.ema)
-    check_sampler(diffusion, _settings())
-    guidance, _ = load_guidance(FLAGS.guide_ckpt, FLAGS.guidance, cfg, FLAGS.ema, FLAGS.guide_unconditional)
+    checked = open_checked(ckpt, FLAGS.ema, _settings(), FLAGS.guide_ckpt, FLAGS.guidance, FLAGS.guide_unconditional)
+    (model, diffusion, cfg, step), guidance = checked.build()
     return model, diffusion, cfg, step, guidance
 
 

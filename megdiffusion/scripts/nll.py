@@ -45,28 +45,33 @@ def _images(spec, image_shape, num_images):
 
 def main(argv):
     from megdiffusion.progress import progress_bar
-    from megdiffusion.sampling.jobs import SamplingError, load_model
+    from megdiffusion.sampling.jobs import SamplingError
+    from megdiffusion.sampling.model import open_model
+    from megdiffusion.training.config import build_diffusion
 
     with one_line_errors(), megengine_failures("rerun the same command"):
         if len(argv) != 2:
             raise UsageError(f"expected one argument, the images PATH; got {len(argv) - 1}")
         if not FLAGS.ckpt:
             raise UsageError("--ckpt is required (a checkpoint file or a run's logdir)")
-        model, diffusion, cfg, step = load_model(FLAGS.ckpt, ema=FLAGS.ema)
+        opened = open_model(FLAGS.ckpt, ema=FLAGS.ema)
+        cfg, step = opened.config, opened.step
         if cfg.num_classes:
             raise UsageError(f"{FLAGS.ckpt} is class-conditional (trained with --num_classes {cfg.num_classes}); "
                              "the bound needs each image's class, which scripts.nll does not read: use an "
                              "unconditional model")
         try:
-            chain = diffusion.respaced(FLAGS.steps, FLAGS.respacing)
+            build_diffusion(cfg, chain_only=True).respaced(FLAGS.steps, FLAGS.respacing)  # before MegEngine
         except ValueError as err:
             raise SamplingError(str(err)) from None
         images = _images(argv[1], cfg.image_shape, FLAGS.num_images)
         from megdiffusion.metrics.evaluate import bits_per_dim  # MegEngine's, once the input is checked
 
+        model = opened.build()
+        diffusion, chain = model.diffusion, model.diffusion.respaced(FLAGS.steps, FLAGS.respacing)
         with progress_bar(total=len(images), unit="img", desc="bits/dim", disable=not FLAGS.progress,
                           bar_format="{l_bar}{bar}| {n:.1f}/{total} [{elapsed}<{remaining}]") as bar:
-            result = bits_per_dim(model, chain, images, FLAGS.seed, FLAGS.batch_size, progress=bar)
+            result = bits_per_dim(model.network, chain, images, FLAGS.seed, FLAGS.batch_size, progress=bar)
     total = result["total_bpd"]
     error = total.std(ddof=1) / math.sqrt(len(total)) if len(total) > 1 else float("nan")
     print(f"NLL: {total.mean():.4f} bits/dim (standard error {error:.4f}; {len(total)} images of {argv[1]}, "
