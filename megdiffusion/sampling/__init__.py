@@ -5,7 +5,7 @@ package's (``megdiffusion.sampling.load_model``).
 
 Images from a network and its diffusion are ``diffusion.generation``'s; a model's scores, ``metrics.evaluate``'s.
 """
-from megdiffusion.sampling.jobs import (SampleJob, SamplingError, check_sampler, image_path, load_guidance,  # noqa: F401
+from megdiffusion.sampling.jobs import (SampleJob, SamplingError, check_sampler, image_path, open_checked,  # noqa: F401
                                         load_model, missing_indices, prepare_output, read_samples, run_job,
                                         sample_share, sample_to_directory, write_summaries)
 from megdiffusion.sampling.model import LoadError, Model, load  # noqa: F401

@@ -43,7 +43,7 @@ class SampleJob:
     ema: bool = True
     progress: bool = True
     npz: bool = True  # also write samples.npz
-    guide_ckpt: Optional[str] = None  # autoguidance: the weaker model (``load_guidance``)
+    guide_ckpt: Optional[str] = None  # autoguidance: the weaker model (``open_guidance``)
     guidance: float = 1.0  # its weight w: bad + w (good - bad); 1 is no guidance
     guide_unconditional: bool = False  # the guide predicts without a class (classifier-free guidance)
     class_label: Optional[int] = None  # a class-conditional model: every image of this class (None: i mod classes)
@@ -92,8 +92,8 @@ class CheckedModels:
     guide_unconditional: bool
 
     def build(self):
-        """``(loaded, autoguidance)``: ``load_model``'s four and ``load_guidance``'s ``Autoguidance`` (None: none);
-        MegEngine from here, the weights checked against the networks."""
+        """``(loaded, autoguidance)``: ``load_model``'s four and the guide's ``Autoguidance`` (None: none); MegEngine
+        from here, the weights checked against the networks."""
         return _parts(self.model.build()), _autoguidance(self.guide, self.guidance, self.guide_unconditional)
 
 
@@ -117,12 +117,13 @@ def open_checked(ckpt, ema, settings, guide_ckpt=None, guidance=1.0, guide_uncon
 def sample_share(job, loaded=None, guidance=None):
     """Write this process's share of the job's missing images (all of them outside a launched group).
 
-    ``loaded``, ``guidance``: what ``load_model`` and ``load_guidance`` returned, when the caller has them;
-    launched processes load them here.
+    ``loaded``, ``guidance``: what ``CheckedModels.build`` returned, when the caller has them; launched processes
+    load them here.
     """
-    model, diffusion, cfg, _ = loaded or load_model(job.ckpt, job.ema)
     if loaded is None:
-        guidance, _ = load_guidance(job.guide_ckpt, job.guidance, cfg, job.ema, job.guide_unconditional)
+        loaded, guidance = open_checked(job.ckpt, job.ema, job.settings, job.guide_ckpt, job.guidance,
+                                        job.guide_unconditional, job.class_label).build()
+    model, diffusion, cfg, _ = loaded
     rank, world_size = distributed.rank_and_world()
     return sample_to_directory(model, diffusion, cfg.image_shape, job.output, job.num_images, job.seed, job.settings,
                                job.batch_size, rank, world_size, job.progress, guidance, job.class_label)
@@ -137,13 +138,6 @@ def load_model(ckpt_or_logdir, ema=True):
     a ``.mge`` graph, a published checkpoint) as ``(network, diffusion, cfg, step)``: the network in eval mode with
     the EMA weights (``ema=False``: the raw ones) and the run's ``TrainConfig``."""
     return _parts(load(ckpt_or_logdir, ema))
-
-
-def load_guidance(guide_ckpt, weight, cfg, ema=True, unconditional=False):
-    """``(Autoguidance, step)`` of the weaker model in ``guide_ckpt`` (a file or logdir) with ``weight``, for a
-    model trained with ``cfg``; ``(None, None)`` without guidance. Checked as ``open_guidance`` checks."""
-    guide, step = open_guidance(guide_ckpt, weight, cfg, ema, unconditional)
-    return _autoguidance(guide, weight, unconditional), step
 
 
 def open_guidance(guide_ckpt, weight, cfg, ema=True, unconditional=False):

@@ -49,7 +49,7 @@ REQUIRED_KEYS = ("step", "config", "model", "ema", "optimizer", "loader")
 # Config fields that define the network: weights fit (and compute the same function) only where these agree.
 # (The output channels follow var_type: ``load_init`` compares them too.)
 NETWORK_FIELDS = names(role=NETWORK)
-# Config fields a guiding model (``sampling.load_guidance``) must share with the sampled one: what the network sees
+# Config fields a guiding model (``sampling.jobs.open_guidance``) must share with the sampled one: what the network sees
 # and what it predicts.
 GUIDE_FIELDS = names(guide=True)
 _NAME = re.compile(r"^ckpt_(\d+)\.pkl$")
