@@ -150,10 +150,12 @@ def load(path, ema=True):
 @dataclasses.dataclass(frozen=True)
 class OpenedModel:
     """A model read as ``load`` reads it, its network not built yet: the run's ``config`` and ``step``, which a command
-    checks its input against before MegEngine is imported, and ``build()``, the ``Model`` (weights checked then)."""
+    checks its input against before MegEngine is imported, ``source`` (``Model.source``) and ``build()``, the ``Model``
+    (weights checked then)."""
 
     config: object
     step: int
+    source: dict
     build: typing.Callable[[], Model]
 
 
@@ -181,8 +183,8 @@ def open_model(path, ema=True):
             raise not_ours from None
     cfg, kind = checkpoint.config_of(state, path), "ema" if ema else "raw"
     source = {"file": os.path.abspath(path), **(state.get("source") or {})}
-    return OpenedModel(cfg, state["step"], lambda: Model(_network(cfg, state["ema" if ema else "model"], path), cfg,
-                                                         state["step"], kind, source))
+    return OpenedModel(cfg, state["step"], source, lambda: Model(_network(cfg, state["ema" if ema else "model"], path),
+                                                                 cfg, state["step"], kind, source))
 
 
 def _diffusers_directory(path):
@@ -217,7 +219,7 @@ def _converted(path, ema):
     kind = record["weights"]  # the state dict's key in the file: ema_model, net_model, model, or "state dict"
     weights_kind = "ema" if "ema" in kind else "raw" if kind in ("net_model", "model") else "published"
     model = Model(_network(cfg, weights, path), cfg, 0, weights_kind, record)
-    return OpenedModel(cfg, 0, lambda: model)
+    return OpenedModel(cfg, 0, model.source, lambda: model)
 
 
 def _open_graph(path, ema):
@@ -236,4 +238,4 @@ def _open_graph(path, ema):
         quiet_megengine()
         return Model(DeployedNetwork(path, cfg.num_classes), cfg, step, kind, source)
 
-    return OpenedModel(cfg, step, build)
+    return OpenedModel(cfg, step, source, build)

@@ -106,18 +106,22 @@ def reference_of(reference_spec, metrics):
     return _statistics(source, needs_features(metrics))
 
 
-def load_checked(ckpt):
-    """``(model, diffusion, cfg, step, guidance)`` of the model ``ckpt``, with the sampler settings and the guidance
-    checked against it, before any sampling or Inception pass."""
-    from megdiffusion.sampling.jobs import open_checked
+def open_checked(ckpt):
+    """``sampling.jobs.open_checked`` of the model ``ckpt`` with this command's flags: the sampler settings and the
+    guidance checked against it, before any sampling or Inception pass; the networks not built."""
+    from megdiffusion.sampling import jobs
 
-    checked = open_checked(ckpt, FLAGS.ema, _settings(), FLAGS.guide_ckpt, FLAGS.guidance, FLAGS.guide_unconditional)
+    return jobs.open_checked(ckpt, FLAGS.ema, _settings(), FLAGS.guide_ckpt, FLAGS.guidance, FLAGS.guide_unconditional)
+
+
+def built(checked):
+    """``(model, diffusion, cfg, step, guidance)`` of ``open_checked``'s models."""
     (model, diffusion, cfg, step), guidance = checked.build()
     return model, diffusion, cfg, step, guidance
 
 
 def model_scores(loaded, reference, metrics):
-    """``metrics`` of --num_images samples of the model ``loaded`` (``load_checked``'s) against ``reference``
+    """``metrics`` of --num_images samples of the model ``loaded`` (``built``'s) against ``reference``
     (``reference_of``'s)."""
     from megdiffusion.metrics.evaluate import model_scores as score
 
@@ -130,7 +134,7 @@ def model_scores(loaded, reference, metrics):
 
 def score_model(reference_spec, metrics):
     """Print the scores of --ckpt's samples against ``reference_spec``."""
-    loaded = load_checked(FLAGS.ckpt)
+    loaded = built(open_checked(FLAGS.ckpt))
     scores, step = model_scores(loaded, reference_of(reference_spec, metrics), metrics), loaded[3]
     guided = f", guided by {FLAGS.guide_ckpt} with w={FLAGS.guidance:g}" if FLAGS.guide_ckpt else ""
     for line in score_lines(scores):
@@ -142,20 +146,19 @@ def sweep(reference_spec, metrics):
     """Score each EMA length rebuilt in --sweep against ``reference_spec``; print a line each, write the table and
     the chart."""
     from megdiffusion.metrics.sweep import rebuilt_lengths, write_sweep
-    from megdiffusion.training.checkpoint import load_checkpoint
 
     found = rebuilt_lengths(FLAGS.sweep)
     if not found:
         raise UsageError(f"--sweep {FLAGS.sweep} holds no rebuilt EMA (ema_<sigma_rel>.pkl): write them with python "
                          f"-m megdiffusion.scripts.posthoc_ema LOGDIR --sigma_rel 0.03,0.07,0.15 --output "
                          f"{FLAGS.sweep}")
-    source = load_checkpoint(found[0][1]).get("source") or {}
-    tracked = [float(s) for s in source.get("tracked", "").split(",") if s]
-    first = load_checked(found[0][1])
+    opened = open_checked(found[0][1])
+    tracked = [float(s) for s in opened.model.source.get("tracked", "").split(",") if s]
+    first = built(opened)  # its weights checked before the reference's Inception pass
     reference = reference_of(reference_spec, metrics)
     rows = []
     for index, (sigma_rel, path) in enumerate(found):
-        loaded = load_checked(path) if index else first
+        loaded = built(open_checked(path)) if index else first
         scores = model_scores(loaded, reference, metrics)
         rows.append({"sigma_rel": sigma_rel, "step": loaded[3], **scores})
         print(f"sigma_rel {sigma_rel:.3f}: {'; '.join(score_lines(scores))}", flush=True)
