@@ -35,6 +35,21 @@ def logdir(tmp_path_factory, tiny_config, tiny_images):
     return logdir
 
 
+def test_an_opened_model_is_the_loaded_one_and_lets_its_checkpoint_go_once_built(logdir):
+    """``open_model`` reads the run's config and step without a network; ``build()`` makes the network ``load`` makes
+    (the same EMA weights, for the newest checkpoint), and only once: what it read is not kept beside the network."""
+    from megdiffusion.sampling.model import open_model
+
+    newest = ckpt.load_file_or_newest(str(logdir))[0]
+    opened = open_model(logdir)
+    assert opened.step == newest["step"] == 3 and opened.config == ckpt.config_of(newest, str(logdir))
+    assert opened.source["file"] == os.path.abspath(ckpt.checkpoint_path(str(logdir), 3))
+    built = opened.build().state_dict()
+    assert list(built) == list(newest["ema"]) and all(np.array_equal(built[n], newest["ema"][n]) for n in built)
+    with pytest.raises(RuntimeError, match="called before"):
+        opened.build()
+
+
 @pytest.fixture(scope="module")
 def loaded(logdir):
     model, diffusion, _, _ = sampling.load_model(str(logdir))

@@ -5,9 +5,7 @@
 returns says what it is, is called on numpy arrays (``model(x, t, y)``: the raw network output) and samples images
 (``model.sample``) as the scripts do.
 """
-import dataclasses
 import os
-import typing
 
 import numpy as np
 
@@ -147,16 +145,20 @@ def load(path, ema=True):
     return open_model(path, ema).build()
 
 
-@dataclasses.dataclass(frozen=True)
 class OpenedModel:
     """A model read as ``load`` reads it, its network not built yet: the run's ``config`` and ``step``, which a command
-    checks its input against before MegEngine is imported, ``source`` (``Model.source``) and ``build()``, the ``Model``
-    (weights checked then)."""
+    checks its input against before MegEngine is imported, ``source`` (``Model.source``) and ``build()``."""
 
-    config: object
-    step: int
-    source: dict
-    build: typing.Callable[[], Model]
+    def __init__(self, config, step, source, make):
+        self.config, self.step, self.source, self._make = config, step, source, make
+
+    def build(self):
+        """The ``Model`` (its weights checked against the network here), once: the weights read are let go, so that
+        a run's checkpoint is not held beside the network while it samples."""
+        make, self._make = self._make, None
+        if make is None:
+            raise RuntimeError("OpenedModel.build() was called before; open the model again")
+        return make()
 
 
 def open_model(path, ema=True):
@@ -181,10 +183,11 @@ def open_model(path, ema=True):
             return _converted(path, ema)
         except ConvertError:
             raise not_ours from None
-    cfg, kind = checkpoint.config_of(state, path), "ema" if ema else "raw"
+    cfg, step, weights = checkpoint.config_of(state, path), state["step"], state["ema" if ema else "model"]
     source = {"file": os.path.abspath(path), **(state.get("source") or {})}
-    return OpenedModel(cfg, state["step"], source, lambda: Model(_network(cfg, state["ema" if ema else "model"], path),
-                                                                 cfg, state["step"], kind, source))
+    # The rest of the state (the other weights, Adam's moments) is let go here.
+    return OpenedModel(cfg, step, source, lambda: Model(_network(cfg, weights, path), cfg, step,
+                                                        "ema" if ema else "raw", source))
 
 
 def _diffusers_directory(path):
