@@ -826,6 +826,11 @@ def case_directory(shared, tmp_path):
     return workdir, env
 
 
+def with_shared(shared, args, message):
+    """A case's arguments and message with {shared} made the shared directory."""
+    return [arg.replace("{shared}", str(shared)) for arg in args], message.replace("{shared}", str(shared))
+
+
 @pytest.mark.parametrize("case, script, args, message", CASES, ids=[f"{c[1]}:{c[0]}" for c in CASES])
 def test_bad_input_is_one_error_line_exit_2_and_changes_no_file(shared, command_flags, tmp_path, case, script, args,
                                                                  message):
@@ -833,8 +838,7 @@ def test_bad_input_is_one_error_line_exit_2_and_changes_no_file(shared, command_
         pytest.skip("a machine with a CUDA driver may have 2 GPUs")
     workdir, env = case_directory(shared, tmp_path)
     before, shared_before = tree(workdir), tree(shared)
-    args = [arg.replace("{shared}", str(shared)) for arg in args]
-    message = message.replace("{shared}", str(shared))
+    args, message = with_shared(shared, args, message)
     result = subprocess.run([sys.executable, "-m", f"megdiffusion.scripts.{script}", *args], cwd=workdir, env=env,
                             capture_output=True, timeout=300)
     result.stdout, result.stderr = result.stdout.decode(), result.stderr.decode()  # carriage returns kept
@@ -867,7 +871,7 @@ def test_input_shown_wrong_by_flags_data_or_a_checkpoint_file_is_refused_before_
                                                                                                       name):
     case, script, args, message = next(c for c in CASES if f"{c[1]}:{c[0]}" == name)
     workdir, env = case_directory(shared, tmp_path)
-    args, message = [arg.replace("{shared}", str(shared)) for arg in args], message.replace("{shared}", str(shared))
+    args, message = with_shared(shared, args, message)
     result = subprocess.run([sys.executable, "-c", REPORT_MEGENGINE, f"megdiffusion.scripts.{script}", *args],
                             cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and message in result.stderr, result.stderr

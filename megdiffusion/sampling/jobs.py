@@ -68,9 +68,10 @@ def run_job(job, num_gpus=1):
                            job.class_label)
     manifest = job.manifest(checked.model.step, checked.chain, checked.guide_step)
     with output_directory(job.output, "--output", MANIFEST):
-        check_output(job.output, manifest, checked.chain)
+        written = check_output(job.output, manifest, checked.chain)
         loaded, guidance = checked.build()
-        prepare_output(job.output, manifest, checked.chain)
+        if not written:  # only once the weights fit the network
+            _write_manifest(job.output, manifest)
         if num_gpus == 1:
             sample_share(job, loaded, guidance)
         else:
@@ -201,7 +202,11 @@ def prepare_output(output, settings, diffusion):
     """Write ``settings`` (``SampleJob.manifest``) as the manifest of directory ``output``, or check that its
     manifest holds exactly them (``check_output``)."""
     if not check_output(output, settings, diffusion):
-        write_text(Path(output) / MANIFEST, json.dumps(settings, indent=2, sort_keys=True) + "\n")
+        _write_manifest(output, settings)
+
+
+def _write_manifest(output, settings):
+    write_text(Path(output) / MANIFEST, json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
 def check_output(output, settings, diffusion):

@@ -82,8 +82,9 @@ def check_step_options(cfg, engine=None):
     chosen, ``cpu.choice``) that does not run MegEngine's kernels: the CPU engine computes outside MegEngine, in
     float32, eagerly."""
     wanted = [f"--{name}" for name in names(megengine_only=True) if getattr(cfg, name)]
-    on_megengine = engine == "megengine" if engine else not cpu_engine_enabled()
-    if wanted and not on_megengine:
+    if not wanted:  # nothing to ask of the machine (its CUDA probe imports MegEngine on a GPU machine)
+        return
+    if not (engine == "megengine" if engine else not cpu_engine_enabled()):
         raise ConfigError(f"{' and '.join(wanted)} run{'s' if len(wanted) == 1 else ''} on MegEngine's own kernels, "
                           "which this machine's fast CPU path replaces; train on a GPU, or set "
                           "MEGDIFFUSION_FAST_CONV=0 to use MegEngine's (slow) CPU kernels")
